@@ -1,0 +1,8 @@
+"""Framework adapters (imported as ``resume.adapters``).
+
+``resume.adapters.torch_native``: native PyTorch (plain module, DDP, FSDP2),
+saved through torch.distributed.checkpoint. Imported lazily so that the core
+and the CLI start without importing torch.
+"""
+
+__all__ = ["torch_native", "data", "dcp_safe", "jsonstate"]

@@ -1,0 +1,99 @@
+"""Loading torch.distributed.checkpoint directories without executing their code.
+
+DCP keeps its ``.metadata`` as a pickle and its non-tensor entries as
+``torch.save`` blobs that the default planner reads with
+``torch.load(weights_only=False)``. Both would run whatever a malicious
+checkpoint put there. Here ``.metadata`` goes through an unpickler that allows
+the metadata classes and nothing else, and non-tensor entries are read with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.default_planner import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from resume.errors import UnsafeCheckpointError
+
+__all__ = ["restricted_load_metadata", "SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner"]
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _fs._StorageInfo,
+}
+for _name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+              "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+    if hasattr(_md, _name):
+        _ALLOWED[("torch.distributed.checkpoint.metadata", _name)] = getattr(_md, _name)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"{self.source}: pickle global: expected a checkpoint "
+                                    f"metadata class, actual {module}.{name} (refused)")
+
+
+def restricted_load_metadata(data: bytes, *, source: str) -> Metadata:
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise UnsafeCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
+                                    f"({type(e).__name__}: {e})") from e
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{source}: expected DCP Metadata, actual {type(metadata).__name__}")
+    return metadata
+
+
+class _SafeMetadataMixin:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
+            metadata = restricted_load_metadata(f.read(), source=str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
+        return metadata
+
+
+class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
+    pass
+
+
+def SafeFsspecReader(path: str, **kwargs: Any):  # noqa: N802 - a class factory
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    cls = type("SafeFsspecReader", (_SafeMetadataMixin, FsspecReader), {})
+    return cls(path, **kwargs)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

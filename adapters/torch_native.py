@@ -1,0 +1,303 @@
+"""The native PyTorch adapter: torch.distributed.checkpoint for the sharded state.
+
+Covers a plain module, DDP, and FSDP2/DTensor modules (``get_state_dict`` /
+``set_state_dict`` handle all three), any ``torch.optim`` optimizer and several
+at once (AdamW for embeddings and head plus Muon for the matrices), several LR
+schedulers, and any data object with ``state_dict``/``load_state_dict``.
+
+AdamW creates its moments lazily, at its first step: loading into a fresh
+optimizer must first create them, or there is nothing for the load to fill
+and they silently stay empty. ``get_state_dict`` does that (a zero-LR step on
+zero gradients) before the load; the step counters of ours ignore that step.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from resume.adapter import Adapter
+from resume.comm import Comm, LocalComm
+from resume.storage import Storage
+
+from . import jsonstate
+from .dcp_safe import SafeFileSystemReader, SafeFsspecReader, SafeLoadPlanner
+
+__all__ = ["TorchDistComm", "NativeTorchAdapter", "comm_for"]
+
+# Scheduler attributes that move with training; everything else in a
+# scheduler's state_dict is its configuration.
+_DYNAMIC_SCHEDULER_KEYS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step",
+                           "_is_initial", "verbose", "_schedulers", "_milestones_reached",
+                           "best", "num_bad_epochs", "cooldown_counter", "last_epoch_", "T_cur",
+                           "_initial_step"}
+
+
+class TorchDistComm:
+    """``resume.comm.Comm`` over torch.distributed (any backend; gloo on CPU)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def any_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+
+def comm_for(group: Any = None) -> Comm:
+    if dist.is_available() and dist.is_initialized():
+        return TorchDistComm(group)
+    return LocalComm()
+
+
+class NativeTorchAdapter(Adapter):
+    """Model + optimizers + schedulers + data, saved with torch.distributed.checkpoint."""
+
+    name = "torch-native"
+
+    def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable,
+                 schedulers: Any = (), data: Any = None, *, comm: Comm | None = None,
+                 process_group: Any = None) -> None:
+        self.model = model
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else (
+            [schedulers] if schedulers else [])
+        self.data = data
+        self.process_group = process_group
+        self.comm = comm if comm is not None else comm_for(process_group)
+        self._steps = [0] * len(self.optimizers)
+        self._internal_step = False
+        for i, opt in enumerate(self.optimizers):
+            opt.register_step_post_hook(self._make_step_counter(i))
+
+    def _make_step_counter(self, index: int):
+        def hook(optimizer, args, kwargs) -> None:
+            if not self._internal_step:
+                self._steps[index] += 1
+        return hook
+
+    # -- data ---------------------------------------------------------------------------
+
+    def data_iterator(self) -> Iterator[Any]:
+        if self.data is None:
+            raise ValueError("NativeTorchAdapter: data: expected an iterable of batches, actual None")
+        return iter(self.data)
+
+    def data_state(self) -> Any:
+        state_dict = getattr(self.data, "state_dict", None)
+        return jsonstate.encode(state_dict()) if callable(state_dict) else None
+
+    def load_data_state(self, state: Any) -> None:
+        load = getattr(self.data, "load_state_dict", None)
+        if state is not None and callable(load):
+            load(jsonstate.decode(state))
+
+    def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
+        if isinstance(batch, dict):
+            ids_key = next((k for k in ("ids", "sample_ids", "index") if k in batch), None)
+            if ids_key is None:
+                raise ValueError("describe_batch: expected a batch dict with an 'ids' tensor of "
+                                 f"sample ids, actual keys {sorted(batch)}")
+            ids = batch[ids_key]
+            fields = [batch[k] for k in sorted(batch) if k != ids_key and isinstance(batch[k], torch.Tensor)]
+        elif isinstance(batch, (tuple, list)) and batch:
+            ids, fields = batch[0], [f for f in batch[1:] if isinstance(f, torch.Tensor)]
+        else:
+            raise ValueError(f"describe_batch: expected a dict or tuple batch, actual {type(batch).__name__}")
+        out = []
+        for row, sample_id in enumerate(torch.as_tensor(ids).tolist()):
+            h = xxhash.xxh3_64()
+            for f in fields:
+                h.update(f[row].detach().cpu().contiguous().numpy().tobytes())
+            out.append((int(sample_id), h.hexdigest()))
+        return out
+
+    # -- schedule and optimizer -------------------------------------------------------------
+
+    def describe_schedule(self) -> list[dict]:
+        described = []
+        for s in self.schedulers:
+            state = s.state_dict()
+            entry = {"class": type(s).__name__}
+            for key, value in sorted(state.items()):
+                if key in _DYNAMIC_SCHEDULER_KEYS:
+                    continue
+                if key == "lr_lambdas":
+                    value = [_describe_callable(fn) for fn in getattr(s, "lr_lambdas", [])]
+                entry[key] = jsonstate.encode(value)
+            described.append(entry)
+        return described
+
+    def current_lrs(self) -> list[float]:
+        return [float(g["lr"]) for opt in self.optimizers for g in opt.param_groups]
+
+    def lr_ahead(self, k: int) -> list[list[float]]:
+        # Step the real schedulers k-1 times and put everything back: cheaper
+        # and more faithful than deep-copying optimizers with their parameters.
+        saved_groups = [[{key: v for key, v in g.items() if key != "params"} for g in opt.param_groups]
+                        for opt in self.optimizers]
+        saved_schedulers = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
+        out = [self.current_lrs()]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(k - 1):
+                    for s in self.schedulers:
+                        s.step()
+                    out.append(self.current_lrs())
+        finally:
+            for opt, groups in zip(self.optimizers, saved_groups):
+                for g, saved in zip(opt.param_groups, groups):
+                    g.update(saved)
+            for s, state in zip(self.schedulers, saved_schedulers):
+                s.load_state_dict(state)
+        return out
+
+    def optimizer_steps(self) -> list[int]:
+        return list(self._steps)
+
+    def scheduler_positions(self) -> list[int]:
+        return [int(s.last_epoch) for s in self.schedulers]
+
+    def optimizer_fingerprint(self) -> list[dict]:
+        fingerprints = []
+        for opt in self.optimizers:
+            h = xxhash.xxh3_64()
+            abs_sum = 0.0
+            numel = 0
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    for key, value in sorted(opt.state.get(p, {}).items()):
+                        if key == "step" or not isinstance(value, torch.Tensor):
+                            continue
+                        local = value.to_local() if hasattr(value, "to_local") else value
+                        local = local.detach().cpu().contiguous()
+                        h.update(key.encode())
+                        h.update(local.reshape(-1).view(torch.uint8).numpy().tobytes())
+                        abs_sum += float(local.double().abs().sum())
+                        numel += local.numel()
+            fingerprints.append({"digest": h.hexdigest(), "abs_sum": abs_sum, "numel": numel})
+        return fingerprints
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [jsonstate.encode(s.state_dict()) for s in self.schedulers],
+                "optimizer_steps": list(self._steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["schedulers"]
+        if len(saved) != len(self.schedulers):
+            raise ValueError(f"schedulers: expected {len(saved)} (as saved), actual {len(self.schedulers)}")
+        for s, sd in zip(self.schedulers, saved):
+            s.load_state_dict(jsonstate.decode(sd))
+        steps = [int(x) for x in state["optimizer_steps"]]
+        if len(steps) != len(self.optimizers):
+            raise ValueError(f"optimizers: expected {len(steps)} (as saved), actual {len(self.optimizers)}")
+        self._steps = steps
+
+    def _sharded_state(self) -> dict:
+        self._internal_step = True
+        try:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        finally:
+            self._internal_step = False
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
+        state = self._sharded_state()
+        local = storage.local_path(step_dir)
+        if local is not None:
+            writer = dcp.FileSystemWriter(local, sync_files=True)
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            writer = FsspecWriter(storage.url(step_dir), sync_files=False)
+        metadata = dcp.save(state, storage_writer=writer, process_group=self.process_group,
+                            no_dist=self.comm.world_size == 1 and not dist.is_initialized())
+        return self._files_of_this_rank(metadata)
+
+    def _files_of_this_rank(self, metadata: Any) -> list[str]:
+        # DCP names data files "__<rank>_<n>.distcp"; rank 0 also owns ".metadata"
+        # and anything it cannot attribute.
+        rank = self.comm.rank
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        mine = set()
+        for name in files:
+            owner = _distcp_owner(name)
+            if owner == rank or (owner is None and rank == 0):
+                mine.add(name)
+        if rank == 0:
+            mine.add(".metadata")
+        return sorted(mine)
+
+    def load_shards(self, storage: Storage, step_dir: str) -> None:
+        state = self._sharded_state()
+        local = storage.local_path(step_dir)
+        reader = (SafeFileSystemReader(local) if local is not None
+                  else SafeFsspecReader(storage.url(step_dir)))
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                 process_group=self.process_group,
+                 no_dist=self.comm.world_size == 1 and not dist.is_initialized())
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def topology(self) -> dict:
+        return {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
+
+
+def _distcp_owner(name: str) -> int | None:
+    if name.startswith("__") and name.endswith(".distcp"):
+        head = name[2:].split("_", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def _describe_callable(fn: Any) -> Any:
+    """A stable description of an LR lambda: its code and the numbers it closes over.
+
+    A schedule rebuilt with another length or peak closes over other numbers,
+    so the difference shows before a single update.
+    """
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                cells.append(value)
+        return {"function": fn.__qualname__, "code": xxhash.xxh3_64_hexdigest(fn.__code__.co_code),
+                "closure": cells, "defaults": [d for d in (fn.__defaults__ or ())
+                                               if isinstance(d, (int, float, str, bool))]}
+    if hasattr(fn, "func") and hasattr(fn, "args"):  # functools.partial
+        return {"partial": getattr(fn.func, "__qualname__", repr(fn.func)),
+                "args": [a for a in fn.args if isinstance(a, (int, float, str, bool))],
+                "keywords": {k: v for k, v in fn.keywords.items() if isinstance(v, (int, float, str, bool))}}
+    return {"object": type(fn).__qualname__, "state": jsonstate.encode(
+        {k: v for k, v in vars(fn).items() if isinstance(v, (int, float, str, bool))})}

@@ -1,0 +1,25 @@
+"""resume: committed, verifiable checkpoints and a continuity check after every restart."""
+
+from .adapter import Adapter
+from .comm import Comm, LocalComm
+from .continuity import Expectation
+from .coordinator import Coordinator
+from .errors import (CheckpointNotFoundError, ContinuityError, CorruptCheckpointError,
+                     InvariantError, ManifestError, NoValidCheckpointError, ResumeError,
+                     RunNotFoundError, SaveFailedError, SaveTimeoutError, StorageError,
+                     UnsafeCheckpointError, UsageError)
+from .manifest import Manifest
+from .rng import RngRegistry
+from .run import CheckResult, KeepPolicy, Run
+from .state import TrainState
+from .storage import open_storage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter", "CheckResult", "CheckpointNotFoundError", "Comm", "ContinuityError", "Coordinator",
+    "CorruptCheckpointError", "Expectation", "InvariantError", "KeepPolicy", "LocalComm", "Manifest",
+    "ManifestError", "NoValidCheckpointError", "ResumeError", "RngRegistry", "Run",
+    "RunNotFoundError", "SaveFailedError", "SaveTimeoutError", "StorageError", "TrainState",
+    "UnsafeCheckpointError", "UsageError", "open_storage", "__version__",
+]

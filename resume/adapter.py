@@ -1,0 +1,102 @@
+"""The adapter contract: how one framework writes and reads its state.
+
+Call sequence (the coordinator makes every call; "all" = every rank, in the
+same order, because some calls are collective):
+
+On restore:
+  1. all  ``describe_schedule()``          before anything is loaded: the schedule as the code declares it
+  2. all  ``load_shards(step_dir, manifest)`` collective: sharded tensors (model, optimizers)
+  3. all  ``load_state_dict(state)``       this rank's small state (schedulers, step counters)
+  4. all  ``load_data_state(state)``       the data position
+  5. all  ``optimizer_steps()``, ``scheduler_positions()``, ``optimizer_fingerprint()``,
+          ``lr_ahead(k)``                  recomputed from the live objects and compared
+  6. all  ``data_iterator()``, ``describe_batch(batch)`` the next batch, peeked
+
+On save (at an iteration boundary, all ranks agreed):
+  1. all  ``data_state()``                 before the look-ahead batch is fetched
+  2. all  ``describe_batch(batch)``        of the look-ahead batch
+  3. all  ``lr_ahead(k)``, ``optimizer_fingerprint()``, ``describe_schedule()``
+  4. all  ``state_dict()``                 this rank's small state, written as JSON by the coordinator
+  5. all  ``save_shards(step_dir)``        collective; returns the files this rank wrote
+  Rank 0 then gathers the file lists and commits the manifest.
+
+Every iteration:
+  all ``optimizer_steps()`` and ``scheduler_positions()`` (cheap), to catch an
+  update that stepped the optimizer or scheduler on a skipped iteration.
+
+Values returned for the manifest must be JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+from .comm import Comm
+from .storage import Storage
+
+__all__ = ["Adapter"]
+
+
+class Adapter(ABC):
+    name: str = "adapter"
+    comm: Comm
+
+    # -- data ------------------------------------------------------------------
+    @abstractmethod
+    def data_iterator(self) -> Iterator[Any]:
+        """A fresh iterator over this rank's batches, from the current data position."""
+
+    @abstractmethod
+    def data_state(self) -> Any:
+        """The data position (JSON), as it is now, i.e. before the next batch is fetched."""
+
+    @abstractmethod
+    def load_data_state(self, state: Any) -> None: ...
+
+    @abstractmethod
+    def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
+        """(global sample id, content digest) of every sample of this rank's batch."""
+
+    # -- schedule and optimizer ---------------------------------------------------
+    @abstractmethod
+    def describe_schedule(self) -> list[dict]:
+        """Static configuration of every scheduler (no position)."""
+
+    @abstractmethod
+    def lr_ahead(self, k: int) -> list[list[float]]:
+        """LR of every param group now and after each of the next k-1 successful updates."""
+
+    @abstractmethod
+    def current_lrs(self) -> list[float]: ...
+
+    @abstractmethod
+    def optimizer_steps(self) -> list[int]:
+        """How many updates each optimizer has applied."""
+
+    @abstractmethod
+    def scheduler_positions(self) -> list[int]:
+        """How many times each scheduler was advanced (in updates)."""
+
+    @abstractmethod
+    def optimizer_fingerprint(self) -> list[dict]:
+        """Per optimizer: a fingerprint of this rank's moments (digest, abs_sum, numel)."""
+
+    # -- persistence ---------------------------------------------------------------
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """This rank's small non-tensor state (JSON)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+    @abstractmethod
+    def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
+        """Collective. Write the sharded state; return paths (relative to step_dir) this rank wrote."""
+
+    @abstractmethod
+    def load_shards(self, storage: Storage, step_dir: str) -> None:
+        """Collective. Load the sharded state written by ``save_shards``."""
+
+    def topology(self) -> dict:
+        return {"world_size": self.comm.world_size}

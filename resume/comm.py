@@ -1,0 +1,41 @@
+"""The collectives the coordinator needs, behind a small protocol.
+
+The core never imports a framework: adapters hand it a ``Comm`` built on their
+process group (``resume.adapters.torch_native.TorchDistComm``), single-process
+runs use ``LocalComm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = ["Comm", "LocalComm"]
+
+
+class Comm(Protocol):
+    rank: int
+    world_size: int
+
+    def barrier(self) -> None: ...
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank (one small all-reduce)."""
+        ...
+
+
+class LocalComm:
+    rank = 0
+    world_size = 1
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def any_true(self, flag: bool) -> bool:
+        return bool(flag)

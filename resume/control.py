@@ -1,0 +1,95 @@
+"""Save requests from outside the job: small files under the run's ``control/``.
+
+``resume save`` (or the Slurm hook) writes ``control/save-<id>.request``;
+rank 0 of the running job polls at iteration boundaries, the ranks agree, save,
+and rank 0 answers with ``control/save-<id>.result`` (JSON: step or error) and
+removes the request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import SaveFailedError, SaveTimeoutError
+from .run import CONTROL, Run, utc_now
+from .storage import join
+
+__all__ = ["SaveRequest", "post_save_request", "pending_requests", "answer_request", "wait_for_answer"]
+
+REQUEST_SUFFIX = ".request"
+RESULT_SUFFIX = ".result"
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    request_id: str
+    stop: bool = False
+
+
+def post_save_request(run: Run, *, stop: bool = False, reason: str = "resume save") -> SaveRequest:
+    request = SaveRequest(request_id=f"save-{int(time.time())}-{uuid.uuid4().hex[:8]}", stop=stop)
+    body = {"requested_at": utc_now(), "stop": stop, "reason": reason, "host": os.uname().nodename,
+            "pid": os.getpid()}
+    run.storage.write_bytes_atomic(join(CONTROL, request.request_id + REQUEST_SUFFIX),
+                                   json.dumps(body).encode())
+    return request
+
+
+def pending_requests(run: Run) -> list[SaveRequest]:
+    """Requests not answered yet (rank 0 only)."""
+    try:
+        names = run.storage.listdir(CONTROL)
+    except FileNotFoundError:
+        return []
+    requests = []
+    for name in names:
+        if not name.endswith(REQUEST_SUFFIX):
+            continue
+        request_id = name[: -len(REQUEST_SUFFIX)]
+        try:
+            body = json.loads(run.storage.read_bytes(join(CONTROL, name)))
+            stop = bool(body.get("stop", False)) if isinstance(body, dict) else False
+        except (FileNotFoundError, ValueError):
+            continue  # withdrawn, or being written: look again at the next boundary
+        requests.append(SaveRequest(request_id, stop))
+    return requests
+
+
+def answer_request(run: Run, request: SaveRequest, *, step: int | None, error: str | None = None) -> None:
+    body = {"answered_at": utc_now(), "step": step, "error": error}
+    run.storage.write_bytes_atomic(join(CONTROL, request.request_id + RESULT_SUFFIX),
+                                   json.dumps(body).encode())
+    run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
+
+
+def wait_for_answer(run: Run, request: SaveRequest, *, timeout: float, poll: float = 0.5,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep,
+                    on_wait: Callable[[float], None] | None = None) -> int:
+    """Block until the job answers; the committed step. Withdraws the request on timeout."""
+    deadline = clock() + timeout
+    result_path = join(CONTROL, request.request_id + RESULT_SUFFIX)
+    while True:
+        try:
+            body = json.loads(run.storage.read_bytes(result_path))
+        except FileNotFoundError:
+            body = None
+        if body is not None:
+            run.storage.delete(result_path)
+            if body.get("error"):
+                raise SaveFailedError(f"{run.storage.url(result_path)}: error: expected none, "
+                                      f"actual {body['error']}")
+            return int(body["step"])
+        remaining = deadline - clock()
+        if remaining <= 0:
+            run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
+            raise SaveTimeoutError(f"{run.url}: expected a checkpoint committed within {timeout:g}s "
+                                   "of the save request, actual none (is the job running?)")
+        if on_wait is not None:
+            on_wait(remaining)
+        sleep(min(poll, remaining))

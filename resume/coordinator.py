@@ -1,0 +1,453 @@
+"""The coordinator: the small library wrapper around the training loop.
+
+    coord = Coordinator(run_url, adapter, global_batch=..., every=200, keep=3)
+    coord.restore()                  # newest committed checkpoint or a fresh start; checks continuity
+    for batch in coord.batches():    # knows the next batch without consuming it
+        ...forward/backward/step...
+        coord.update(applied=...)    # successful vs skipped; saves when due, on request or on a signal
+        if coord.should_stop:
+            break
+    coord.close()
+
+It owns when and where to save, the commit protocol, retention, signals and
+save requests, and the continuity check on restore. It never imports a
+framework: everything framework-specific goes through the ``Adapter``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from . import errors as _errors
+from .adapter import Adapter
+from .checksum import checksum_bytes, checksum_file
+from .continuity import Expectation, compare, compare_config, merge_batch_descriptions
+from .control import SaveRequest, answer_request, pending_requests
+from .errors import (ContinuityError, InvariantError, NoValidCheckpointError, ResumeError,
+                     SaveFailedError, UsageError)
+from .manifest import FileEntry, Manifest
+from .rng import RngRegistry
+from .run import KeepPolicy, Run, step_dirname
+from .state import TrainState
+from .storage import join
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger("resume")
+
+_END = object()
+
+
+def rank_state_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+@dataclass
+class _Lookahead:
+    """The next batch, fetched early, with the state from just before it was fetched."""
+
+    batch: Any
+    rng_state: dict
+    data_state: Any
+
+
+class Coordinator:
+    """Save, restore and continuity for one training loop. Every rank makes every call."""
+
+    def __init__(
+        self,
+        run_url: str,
+        adapter: Adapter,
+        *,
+        global_batch: int,
+        every: int = 200,
+        keep: int = 3,
+        keep_every: int | None = None,
+        seq_len: int | None = None,
+        config: dict | None = None,
+        lr_lookahead: int = 3,
+        allow_fresh_start: bool = False,
+        verify_on_restore: bool = True,
+        handle_signals: bool = True,
+        control_poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """
+        Args:
+            run_url: the run's home, a local path or an fsspec URL.
+            adapter: the framework adapter (owns model, optimizers, schedulers, data).
+            global_batch: samples per iteration over all ranks.
+            every: save every N iterations (0: only on request or signal).
+            keep: newest committed checkpoints kept by retention (>= 2).
+            keep_every: also keep every checkpoint whose step is a multiple of M, forever.
+            seq_len: sequence length, recorded and checked on restore.
+            config: further JSON values that must not change across restarts (seed, ...).
+            lr_lookahead: how many successful updates ahead the LR is recorded (>= 2).
+            allow_fresh_start: start from scratch even when step directories exist but
+                none holds a valid checkpoint. Off by default: that loses the run.
+            verify_on_restore: check every file's checksum before loading it.
+            handle_signals: SIGUSR1/SIGTERM request save-and-stop at the next boundary.
+            control_poll_s: how often rank 0 looks for save requests under ``control/``.
+            clock: injectable monotonic clock.
+        """
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise UsageError(f"global_batch: expected a positive integer, actual {global_batch!r}")
+        if every < 0:
+            raise UsageError(f"every: expected >= 0 iterations (0 = only on request), actual {every}")
+        if lr_lookahead < 2:
+            raise UsageError(f"lr_lookahead: expected >= 2 updates, actual {lr_lookahead}")
+        self.adapter = adapter
+        self.comm = adapter.comm
+        self.rank = self.comm.rank
+        self.global_batch = global_batch
+        self.every = every
+        self.keep = KeepPolicy(keep_last=keep, keep_every=keep_every)
+        self.config = {"global_batch": global_batch, "seq_len": seq_len, **(config or {})}
+        _check_json(self.config, "config")
+        self.lr_lookahead = lr_lookahead
+        self.allow_fresh_start = allow_fresh_start
+        self.verify_on_restore = verify_on_restore
+        self.control_poll_s = control_poll_s
+        self.clock = clock
+
+        self.rng = RngRegistry()
+        self.state = TrainState()
+        self.should_stop = False
+        self.last_committed_step: int | None = None
+        self.restored_from: int | None = None
+
+        self._iterator: Iterator[Any] | None = None
+        self._lookahead: _Lookahead | None = None
+        self._save_requested = False
+        self._stop_requested = False
+        self._signal: int | None = None
+        self._last_poll = float("-inf")
+        self._first_after_restore: Expectation | None = None
+        self._previous_handlers: dict[int, Any] = {}
+
+        if self.rank == 0:
+            self.run = Run.open(run_url, create=True)
+        self.comm.barrier()
+        if self.rank != 0:
+            self.run = Run.open(run_url)
+        if handle_signals:
+            self._install_signal_handlers()
+
+    # -- public surface ---------------------------------------------------------------
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    def register_rng(self, name: str, generator: Any) -> None:
+        """Save and restore a generator of the user's along with the global ones."""
+        self.rng.register(name, generator)
+
+    def request_save(self, *, stop: bool = False) -> None:
+        """Save at the next iteration boundary (and stop afterwards when ``stop``)."""
+        self._save_requested = True
+        self._stop_requested = self._stop_requested or stop
+
+    def restore(self) -> TrainState:
+        """Load the newest committed checkpoint (or start fresh) and check continuity."""
+        found = self._on_rank0(self._discover)
+        if found is None:
+            self._start_fresh()
+            return self.state
+        manifest = Manifest.from_json(found, source=self.run.storage.url(step_dirname(0)))
+        self._load(manifest)
+        return self.state
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's batches, from where the run stands; stops when ``should_stop``."""
+        while not self.should_stop:
+            if self._lookahead is not None:
+                batch, self._lookahead = self._lookahead.batch, None
+            else:
+                batch = next(self._data_iterator(), _END)
+            if batch is _END:
+                return
+            if self._first_after_restore is not None:
+                self._check_lr_now(self._first_after_restore.lr_ahead[0], "lr at the first update")
+            yield batch
+
+    def update(self, *, applied: bool = True, samples: int | None = None, tokens: int | None = None,
+               tokens_in_loss: int | None = None) -> bool:
+        """Count one iteration; save when due, requested or signalled. True if it saved."""
+        self.state.advance(applied=applied, samples=self.global_batch if samples is None else samples,
+                           tokens=tokens, tokens_in_loss=tokens_in_loss)
+        self._check_counters(applied=applied, where="update")
+        if self._first_after_restore is not None:
+            ahead = self._first_after_restore.lr_ahead
+            self._check_lr_now(ahead[1] if applied else ahead[0], "lr after the first update")
+            self._first_after_restore = None
+        return self._maybe_save_at_boundary()
+
+    def save(self) -> int:
+        """Collective: save the state at the current iteration and commit it. Returns the step."""
+        step = self.state.iteration
+        if self.last_committed_step == step:
+            return step
+        step_dir = step_dirname(step)
+        already = self._on_rank0(lambda: self._prepare_step_dir(step))
+        if already:
+            self.last_committed_step = step
+            return step
+        self.comm.barrier()
+
+        report = self._write_rank_part(step, step_dir)
+        reports = self.comm.all_gather_object(report)
+        failures = [r["error"] for r in reports if not r["ok"]]
+        if failures:
+            raise SaveFailedError(f"{self.run.storage.url(step_dir)}: save of step {step} failed, "
+                                  f"nothing committed: {'; '.join(failures)}")
+        self._on_rank0(lambda: self._commit(step, reports))
+        self.last_committed_step = step
+        return step
+
+    def close(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    # -- restore -------------------------------------------------------------------------
+
+    def _discover(self) -> str | None:
+        manifest, rejected = self.run.find_latest(deep=self.verify_on_restore)
+        if manifest is not None:
+            return manifest.to_json()
+        if rejected and not self.allow_fresh_start:
+            reasons = "; ".join(f"{step_dirname(r.step)}: {r.reason}" for r in rejected[:3])
+            raise NoValidCheckpointError(
+                f"{self.run.url}: expected a committed checkpoint among {len(rejected)} step "
+                f"directories, actual none valid ({reasons}); refusing to start from scratch "
+                "(allow_fresh_start / --allow-fresh-start to override)")
+        return None
+
+    def _start_fresh(self) -> None:
+        def write_info() -> None:
+            if self.run.read_info() is None:
+                self.run.write_info({"config": self.config, "adapter": self.adapter.name,
+                                     "topology": self.adapter.topology()})
+        self._on_rank0(write_info)
+        log.info("resume: %s: no checkpoint, starting fresh", self.run.url)
+
+    def _load(self, manifest: Manifest) -> None:
+        step, step_dir = manifest.step, step_dirname(manifest.step)
+        source = self.run.storage.url(join(step_dir, "manifest.json"))
+        expected = Expectation.from_dict(manifest.expectation, source=source)
+        # Config first: a changed global batch or seed is named before anything is loaded.
+        compare_config(manifest.config, self.config)
+        declared_schedule = self.adapter.describe_schedule()
+
+        self.adapter.load_shards(self.run.storage, step_dir)
+        saved_world = int(manifest.topology.get("world_size", 1))
+        own = rank_state_name(self.rank if self.rank < saved_world else 0)
+        if own not in manifest.files:
+            raise _errors.ManifestError(f"{source}: files: expected an entry for {own}, actual missing")
+        rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
+        self.adapter.load_state_dict(rank_state["adapter"])
+        self.adapter.load_data_state(rank_state["data"])
+        self.rng.restore(rank_state["rng"])
+        self.state = TrainState.from_dict(manifest.train_state.to_dict(), source=source)
+        self._iterator = None
+        self._lookahead = None
+
+        self.state.check_invariants(global_batch=self.global_batch, where=source)
+        self._check_counters(applied=True, where=f"restore of {step_dir}")
+        actual = self._expectation_now(schedule=declared_schedule)
+        compare(expected, actual, resized=saved_world != self.comm.world_size)
+        self.last_committed_step = step
+        self.restored_from = step
+        self._first_after_restore = expected
+        log.info("resume: restored %s (iteration %d, %d successful, %d skipped); continuity ok",
+                 step_dir, self.state.iteration, self.state.updates_successful,
+                 self.state.updates_skipped)
+
+    # -- continuity ---------------------------------------------------------------------------
+
+    def _data_iterator(self) -> Iterator[Any]:
+        if self._iterator is None:
+            self._iterator = iter(self.adapter.data_iterator())
+        return self._iterator
+
+    def _ensure_lookahead(self) -> _Lookahead:
+        # RNG and data position are snapshotted BEFORE the fetch: a restarted
+        # run re-fetches this batch from the snapshot, consuming randomness
+        # exactly as the uninterrupted run did.
+        if self._lookahead is None:
+            rng_state = self.rng.capture()
+            data_state = self.adapter.data_state()
+            batch = next(self._data_iterator(), _END)
+            self._lookahead = _Lookahead(batch, rng_state, data_state)
+        return self._lookahead
+
+    def _expectation_now(self, *, schedule: list[dict] | None = None) -> Expectation:
+        ahead = self._ensure_lookahead()
+        local = {
+            "batch": [] if ahead.batch is _END else self.adapter.describe_batch(ahead.batch),
+            "rng": RngRegistry.digest(ahead.rng_state),
+            "optimizer": self.adapter.optimizer_fingerprint(),
+        }
+        gathered = self.comm.all_gather_object(local)
+        return Expectation(
+            next_batch=merge_batch_descriptions([g["batch"] for g in gathered]),
+            lr_ahead=self.adapter.lr_ahead(self.lr_lookahead),
+            schedule=self.adapter.describe_schedule() if schedule is None else schedule,
+            optimizer_steps=self.adapter.optimizer_steps(),
+            optimizer=[g["optimizer"] for g in gathered],
+            rng=[g["rng"] for g in gathered],
+            world_size=self.comm.world_size,
+        )
+
+    def _check_counters(self, *, applied: bool, where: str) -> None:
+        successful = self.state.updates_successful
+        for kind, values in (("optimizer", self.adapter.optimizer_steps()),
+                             ("scheduler", self.adapter.scheduler_positions())):
+            for i, value in enumerate(values):
+                if value == successful:
+                    continue
+                if where != "update":
+                    hint = f"{where}: the saved counters and the {kind} disagree"
+                elif not applied and value > successful:
+                    hint = f"the {kind} stepped on an update reported as skipped"
+                elif applied and value < successful:
+                    hint = f"update(applied=True) was reported but the {kind} did not step"
+                else:
+                    hint = f"the {kind} stepped more than once per update"
+                raise ContinuityError(f"{kind}[{i}].{'steps' if kind == 'optimizer' else 'position'}",
+                                      f"{successful} (updates_successful)", value, hint)
+
+    def _check_lr_now(self, expected: list[float], item: str) -> None:
+        actual = self.adapter.current_lrs()
+        if actual != expected:
+            raise ContinuityError(item, expected, actual, "the LR applied is not the one recorded")
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def _maybe_save_at_boundary(self) -> bool:
+        requests: list[SaveRequest] = []
+        if self.rank == 0 and self.clock() - self._last_poll >= self.control_poll_s:
+            self._last_poll = self.clock()
+            requests = pending_requests(self.run)
+        local = (self._save_requested, self._stop_requested or self._signal is not None,
+                 [(r.request_id, r.stop) for r in requests])
+        # One small collective per iteration: every rank learns every flag, so
+        # all ranks save the same iteration.
+        votes = self.comm.all_gather_object(local)
+        requests = [SaveRequest(rid, stop) for vote in votes for rid, stop in vote[2]]
+        stop = any(v[1] for v in votes) or any(r.stop for r in requests)
+        due = self.every > 0 and self.state.iteration % self.every == 0
+        save = due or stop or bool(requests) or any(v[0] for v in votes)
+        self._save_requested = False
+        if not save:
+            return False
+        try:
+            step = self.save()
+        except ResumeError as e:
+            if self.rank == 0:
+                for request in requests:
+                    answer_request(self.run, request, step=None, error=str(e))
+            raise
+        if self.rank == 0:
+            for request in requests:
+                answer_request(self.run, request, step=step)
+        if stop:
+            self.should_stop = True
+        return True
+
+    def _prepare_step_dir(self, step: int) -> bool:
+        """Rank 0: True if ``step`` is already committed; removes a torn leftover of it."""
+        if step in self.run.step_dirs():
+            if self.run.is_committed(step):
+                return True
+            log.warning("resume: removing uncommitted leftover %s", step_dirname(step))
+            self.run.delete_step(step)
+        self.run.storage.makedirs(step_dirname(step))
+        return False
+
+    def _write_rank_part(self, step: int, step_dir: str) -> dict:
+        storage = self.run.storage
+        try:
+            self.state.check_invariants(global_batch=self.global_batch)
+            expectation = self._expectation_now()
+            ahead = self._ensure_lookahead()
+            rank_state = {"rng": ahead.rng_state, "data": ahead.data_state,
+                          "adapter": self.adapter.state_dict()}
+            body = json.dumps(rank_state, allow_nan=False).encode()
+            name = rank_state_name(self.rank)
+            storage.write_bytes_atomic(join(step_dir, name), body)
+            files = {name: (len(body), checksum_bytes(body))}
+            for rel in self.adapter.save_shards(storage, step_dir):
+                files[rel] = checksum_file(storage, join(step_dir, rel))
+            return {"ok": True, "files": files, "expectation": expectation.to_dict()}
+        except Exception as e:  # noqa: BLE001 - reported to every rank, raised there
+            log.exception("resume: rank %d failed writing %s", self.rank, step_dir)
+            return {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+
+    def _commit(self, step: int, reports: list[dict]) -> None:
+        files: dict[str, FileEntry] = {}
+        for report in reports:
+            for rel, (size, checksum) in report["files"].items():
+                files[rel] = FileEntry(size, checksum)
+        manifest = Manifest(step=step, train_state=TrainState.from_dict(self.state.to_dict()),
+                            files=files, expectation=reports[0]["expectation"],
+                            topology=self.adapter.topology(), config=self.config,
+                            adapter=self.adapter.name)
+        self.run.write_manifest(manifest)
+        log.info("resume: committed %s (%d files, %d bytes)", step_dirname(step), len(files),
+                 manifest.total_bytes)
+        try:
+            deleted = self.run.apply_retention(self.keep)
+        except OSError as e:  # retention must never fail a committed save
+            log.warning("resume: retention failed after committing step %d: %s", step, e)
+        else:
+            if deleted:
+                log.info("resume: retention removed %s", ", ".join(map(step_dirname, deleted)))
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only; every rank gets its result or raises its error."""
+        outcome: Any = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", fn())
+            except ResumeError as e:
+                outcome = ("error", type(e).__name__, str(e))
+        outcome = self.comm.broadcast_object(outcome, src=0)
+        if outcome[0] == "ok":
+            return outcome[1]
+        raise _rebuild_error(outcome[1], outcome[2])
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: the save happens at the next iteration boundary.
+        self._signal = signum
+
+
+def _rebuild_error(name: str, message: str) -> ResumeError:
+    cls = getattr(_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ResumeError)) or cls is ContinuityError:
+        cls = InvariantError if cls is ContinuityError else ResumeError
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    return exc
+
+
+def _check_json(value: Any, name: str) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{name}: expected JSON-serialisable values, actual {e}") from e

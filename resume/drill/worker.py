@@ -1,0 +1,133 @@
+"""One rank of the drill's training run (started by ``resume.drill.runner``).
+
+A plain ``Coordinator`` loop over a tiny GPT in DDP on gloo, AdamW with
+warmup + cosine, forced skipped updates, and a self-inflicted SIGKILL on rank 0
+at ``--kill-at`` (before that iteration runs). Rank 0 appends one JSON line
+per iteration to ``--trace`` and, at the end, writes digests of the final
+parameters, moments, counters and LRs to ``--final``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resume import Coordinator
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.torch_native import NativeTorchAdapter
+from resume.checksum import digest_parts
+from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
+
+GLOBAL_BATCH = 8
+PEAK_LR = 3e-3
+WARMUP = 5
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return digest_parts([str(t.dtype), str(list(t.shape)), t.reshape(-1).view(torch.uint8).numpy().tobytes()])
+
+
+def build(args: argparse.Namespace, rank: int, world: int):
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(WARMUP, args.iterations))
+    dataset = SyntheticTokens(num_samples=96, cfg=cfg)
+    sampler = GlobalPositionSampler(len(dataset), GLOBAL_BATCH, rank=rank, world_size=world,
+                                    seed=args.seed)
+    data = StatefulLoader(dataset, sampler)
+    adapter = NativeTorchAdapter(ddp, optimizer, scheduler, data)
+    coord = Coordinator(args.run, adapter, global_batch=GLOBAL_BATCH, every=args.every, keep=3,
+                        seq_len=cfg.seq_len, config={"seed": args.seed, "model": asdict(cfg)})
+    return model, ddp, optimizer, scheduler, coord
+
+
+def train(args: argparse.Namespace) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ddp, optimizer, scheduler, coord = build(args, rank, world)
+    coord.restore()
+    skip = {int(s) for s in args.skip.split(",") if s}
+    trace = open(args.trace, "a") if rank == 0 else None
+    for batch in coord.batches():
+        iteration = coord.iteration + 1
+        if rank == 0 and iteration == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        tokens = batch["tokens"]
+        logits = ddp(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if iteration in skip:  # a forced non-finite gradient, the same on every rank
+            next(model.parameters()).grad.fill_(float("nan"))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        applied = bool(torch.isfinite(norm))
+        lr = optimizer.param_groups[0]["lr"]
+        if applied:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        coord.update(applied=applied)
+        if trace is not None:
+            trace.write(json.dumps({"iteration": iteration, "loss": loss.item(), "lr": lr,
+                                    "applied": applied, "restored_from": coord.restored_from}) + "\n")
+            trace.flush()
+        if coord.iteration >= args.iterations or coord.should_stop:
+            break
+    if rank == 0:
+        write_final(args.final, model, optimizer, coord)
+    coord.close()
+
+
+def write_final(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                coord: Coordinator) -> None:
+    names = {p: n for n, p in model.named_parameters()}
+    params = {n: tensor_digest(p) for n, p in model.named_parameters()}
+    moments = {}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                moments[f"{names[p]}.{key}"] = tensor_digest(value)
+    final = {"params": params, "moments": moments, "counters": coord.state.to_dict(),
+             "lrs": [g["lr"] for g in optimizer.param_groups]}
+    with open(path, "w") as f:
+        json.dump(final, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--iterations", type=int, required=True)
+    parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", default="")
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--final", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The manifest: the commit record of one checkpoint, JSON, written last.
+
+A step directory without a valid manifest is not a checkpoint. The manifest
+lists every file with its size and checksum, the counters, the continuity
+expectation, the topology, the config and which adapter wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+from .state import TrainState
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "FileEntry", "Manifest", "check_relative_path"]
+
+SCHEMA = "resume.manifest"
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    checksum: str
+
+
+def check_relative_path(path: object, *, source: str) -> str:
+    """Paths in a manifest are relative and confined to the step directory."""
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"{source}: files: expected a relative path, actual {path!r}")
+    parts = path.split("/")
+    if path.startswith("/") or "\\" in path or ":" in parts[0] or any(p in ("", ".", "..") for p in parts):
+        raise ManifestError(f"{source}: files: expected a path inside the step directory, "
+                            f"actual {path!r}")
+    return path
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    step: int
+    train_state: TrainState
+    files: dict[str, FileEntry]
+    expectation: dict[str, Any] = field(default_factory=dict)
+    topology: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    adapter: str = ""
+    created_at: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        body = {
+            "schema": SCHEMA,
+            "schema_version": self.schema_version,
+            "step": self.step,
+            "created_at": self.created_at,
+            "adapter": self.adapter,
+            "train_state": self.train_state.to_dict(),
+            "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
+            "topology": self.topology,
+            "config": self.config,
+            "expectation": self.expectation,
+        }
+        return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    @classmethod
+    def from_json(cls, text: bytes | str, *, source: str) -> "Manifest":
+        """Parse and validate; ManifestError names the file and the field."""
+        try:
+            body = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
+        if not isinstance(body, dict):
+            raise ManifestError(f"{source}: expected a JSON object, actual {type(body).__name__}")
+        if body.get("schema") != SCHEMA:
+            raise ManifestError(f"{source}: schema: expected {SCHEMA!r}, actual {body.get('schema')!r}")
+        version = body.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(f"{source}: schema_version: expected {SCHEMA_VERSION}, actual {version!r}")
+        step = body.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ManifestError(f"{source}: step: expected a non-negative integer, actual {step!r}")
+        files_raw = body.get("files")
+        if not isinstance(files_raw, dict) or not files_raw:
+            raise ManifestError(f"{source}: files: expected a non-empty object, actual {files_raw!r:.80}")
+        files = {}
+        for path, entry in files_raw.items():
+            check_relative_path(path, source=source)
+            if not isinstance(entry, dict):
+                raise ManifestError(f"{source}: files[{path!r}]: expected an object, actual {entry!r}")
+            size, checksum = entry.get("size"), entry.get("checksum")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ManifestError(f"{source}: files[{path!r}].size: expected a non-negative "
+                                    f"integer, actual {size!r}")
+            if not isinstance(checksum, str) or not checksum.startswith("xxh3:"):
+                raise ManifestError(f"{source}: files[{path!r}].checksum: expected 'xxh3:<hex>', "
+                                    f"actual {checksum!r}")
+            files[path] = FileEntry(size, checksum)
+        for name in ("expectation", "topology", "config"):
+            if not isinstance(body.get(name, {}), dict):
+                raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
+        return cls(
+            step=step,
+            train_state=TrainState.from_dict(body.get("train_state"), source=source),
+            files=files,
+            expectation=body.get("expectation", {}),
+            topology=body.get("topology", {}),
+            config=body.get("config", {}),
+            adapter=str(body.get("adapter", "")),
+            created_at=str(body.get("created_at", "")),
+            schema_version=version,
+        )
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")

@@ -1,0 +1,268 @@
+"""The run directory: checkpoints, the one commit check, discovery, retention.
+
+Layout of a run (local path or fsspec URL)::
+
+    run.json                 identity: config fingerprint, schedule, layout
+    LATEST                   a hint only; discovery trusts manifests
+    control/                 save requests from outside (resume save, the Slurm hook)
+    step-000000200/
+        manifest.json        the commit record, written last
+        ...                  the adapter's shards and per-rank state
+
+``check`` is the only definition of "committed": the manifest parses and is
+valid, and every file it lists is present with the right size (``deep`` adds
+the checksums). Discovery, restore, ``ls``, ``verify`` and retention all use it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .checksum import checksum_file
+from .errors import (CheckpointNotFoundError, ManifestError, NoValidCheckpointError,
+                     RunNotFoundError, UsageError)
+from .manifest import MANIFEST_NAME, Manifest
+from .storage import Storage, join, open_storage
+
+__all__ = ["Run", "CheckResult", "KeepPolicy", "step_dirname", "parse_step_dirname"]
+
+log = logging.getLogger("resume")
+
+STEP_RE = re.compile(r"^step-(\d{9,})$")
+RUN_INFO = "run.json"
+LATEST = "LATEST"
+CONTROL = "control"
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class CheckResult:
+    """The outcome of the commit check for one step directory."""
+
+    step: int
+    manifest: Manifest | None = None
+    problems: list[str] = field(default_factory=list)
+    deep: bool = False
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.problems)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeepPolicy:
+    """Which committed checkpoints retention keeps."""
+
+    keep_last: int = 3
+    """The newest K committed checkpoints are kept. K >= 2: the newest may be
+    torn by a crash during its verification, so the one before must survive."""
+    keep_every: int | None = None
+    """Additionally keep, forever, every checkpoint whose step is a multiple of M."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 2:
+            raise UsageError(f"keep: expected >= 2, actual {self.keep_last} (the newest checkpoint "
+                             "may turn out torn; the one before it must survive)")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise UsageError(f"keep_every: expected >= 1 or None, actual {self.keep_every}")
+
+    def select_deletions(self, committed: Iterable[int]) -> list[int]:
+        steps = sorted(committed)
+        old = steps[: max(0, len(steps) - self.keep_last)]
+        return [s for s in old if not (self.keep_every and s % self.keep_every == 0)]
+
+
+class Run:
+    """One training run's home."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @property
+    def url(self) -> str:
+        return self.storage.root
+
+    @classmethod
+    def open(cls, url: str, *, create: bool = False) -> "Run":
+        """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false."""
+        storage = open_storage(url)
+        if create:
+            storage.makedirs("")
+        elif not storage.isdir(""):
+            raise RunNotFoundError(f"{url}: run directory: expected an existing directory, actual missing")
+        return cls(storage)
+
+    # -- listing ---------------------------------------------------------------
+
+    def step_dirs(self) -> list[int]:
+        """Every step directory, committed or not, ascending."""
+        steps = []
+        for name in self.storage.listdir(""):
+            step = parse_step_dirname(name)
+            if step is not None:
+                steps.append(step)
+        return sorted(steps)
+
+    def step_path(self, step: int, *parts: str) -> str:
+        return join(step_dirname(step), *parts)
+
+    # -- the commit check -------------------------------------------------------
+
+    def read_manifest(self, step: int) -> Manifest:
+        path = self.step_path(step, MANIFEST_NAME)
+        source = self.storage.url(path)
+        try:
+            text = self.storage.read_bytes(path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"{source}: expected a manifest, actual missing "
+                                          "(step not committed)") from e
+        manifest = Manifest.from_json(text, source=source)
+        if manifest.step != step:
+            raise ManifestError(f"{source}: step: expected {step} (the directory's), "
+                                f"actual {manifest.step}")
+        return manifest
+
+    def check(self, step: int, *, deep: bool = False,
+              progress: Callable[[int], None] | None = None) -> CheckResult:
+        """The commit check. Never raises for a bad checkpoint: problems are listed."""
+        result = CheckResult(step=step, deep=deep)
+        try:
+            result.manifest = self.read_manifest(step)
+        except CheckpointNotFoundError:
+            result.problems.append(f"{self.storage.url(self.step_path(step, MANIFEST_NAME))}: "
+                                   "missing (uncommitted)")
+            return result
+        except ManifestError as e:
+            result.problems.append(str(e))
+            return result
+        for rel, entry in sorted(result.manifest.files.items()):
+            path = self.step_path(step, rel)
+            source = self.storage.url(path)
+            try:
+                size = self.storage.size(path)
+            except FileNotFoundError:
+                result.problems.append(f"{source}: expected a file of {entry.size} bytes, actual missing")
+                continue
+            if size != entry.size:
+                result.problems.append(f"{source}: size: expected {entry.size}, actual {size}")
+                continue
+            if deep:
+                _, checksum = checksum_file(self.storage, path, progress)
+                if checksum != entry.checksum:
+                    result.problems.append(f"{source}: checksum: expected {entry.checksum}, "
+                                           f"actual {checksum}")
+        return result
+
+    def is_committed(self, step: int) -> bool:
+        return self.check(step).committed
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.step_dirs() if self.is_committed(s)]
+
+    # -- discovery ---------------------------------------------------------------
+
+    def find_latest(self, *, deep: bool = False) -> tuple[Manifest | None, list[CheckResult]]:
+        """The newest committed checkpoint, falling back past torn or corrupt ones.
+
+        Returns (manifest or None, the rejected newer steps with their reasons).
+        """
+        rejected: list[CheckResult] = []
+        for step in reversed(self.step_dirs()):
+            result = self.check(step, deep=deep)
+            if result.committed:
+                for bad in rejected:
+                    log.warning("resume: skipping %s: %s", step_dirname(bad.step), bad.reason)
+                return result.manifest, rejected
+            rejected.append(result)
+        return None, rejected
+
+    def latest_or_raise(self, *, deep: bool = False) -> Manifest:
+        manifest, rejected = self.find_latest(deep=deep)
+        if manifest is not None:
+            return manifest
+        if rejected:
+            reasons = "; ".join(f"{step_dirname(r.step)}: {r.reason}" for r in rejected[:3])
+            raise NoValidCheckpointError(f"{self.url}: expected a committed checkpoint among "
+                                         f"{len(rejected)} step directories, actual none valid ({reasons})")
+        raise CheckpointNotFoundError(f"{self.url}: expected a committed checkpoint, actual none")
+
+    def manifest_for(self, step: int | None, *, deep: bool = False) -> Manifest:
+        """The manifest of ``step`` (must be committed) or of the newest committed one."""
+        if step is None:
+            return self.latest_or_raise(deep=deep)
+        if step not in self.step_dirs():
+            raise CheckpointNotFoundError(f"{self.storage.url(step_dirname(step))}: expected a step "
+                                          f"directory, actual missing (steps: {self.step_dirs()})")
+        return self.read_manifest(step)
+
+    # -- writing -----------------------------------------------------------------
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """The commit point. Written atomically, after every listed file."""
+        if not manifest.created_at:
+            manifest.created_at = utc_now()
+        self.storage.write_bytes_atomic(self.step_path(manifest.step, MANIFEST_NAME),
+                                        manifest.to_json().encode())
+        self.storage.write_bytes_atomic(LATEST, f"{manifest.step}\n".encode())
+
+    def latest_hint(self) -> int | None:
+        try:
+            return int(self.storage.read_bytes(LATEST).decode().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def delete_step(self, step: int) -> None:
+        self.storage.delete(step_dirname(step))
+
+    def apply_retention(self, policy: KeepPolicy) -> list[int]:
+        """Delete old committed checkpoints per policy; only after a newer one committed."""
+        committed = self.committed_steps()
+        doomed = policy.select_deletions(committed)
+        for step in doomed:
+            # The manifest goes first: a half-deleted checkpoint is then
+            # plainly uncommitted, never a torn "committed" one.
+            self.storage.delete(self.step_path(step, MANIFEST_NAME))
+            self.delete_step(step)
+        return doomed
+
+    # -- run identity ---------------------------------------------------------------
+
+    def read_info(self) -> dict | None:
+        try:
+            text = self.storage.read_bytes(RUN_INFO)
+        except FileNotFoundError:
+            return None
+        source = self.storage.url(RUN_INFO)
+        try:
+            info = json.loads(text)
+        except ValueError as e:
+            raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
+        if not isinstance(info, dict) or info.get("schema") != "resume.run":
+            raise ManifestError(f"{source}: schema: expected 'resume.run', actual "
+                                f"{info.get('schema') if isinstance(info, dict) else info!r}")
+        return info
+
+    def write_info(self, info: dict) -> None:
+        body = {"schema": "resume.run", "schema_version": 1, "created_at": utc_now(), **info}
+        self.storage.write_bytes_atomic(RUN_INFO, (json.dumps(body, indent=1) + "\n").encode())

@@ -1,0 +1,79 @@
+"""TrainState: the counters, kept separately, with their invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import InvariantError, ManifestError
+
+__all__ = ["TrainState"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainState:
+    """The counters persisted in every manifest and checked on every restore."""
+
+    iteration: int = 0
+    """Global batches processed = ``updates_successful + updates_skipped``."""
+    samples_read: int = 0
+    """Samples taken from the data stream, skipped iterations included."""
+    updates_successful: int = 0
+    """Iterations whose optimizer update was applied; the scheduler advances only on these."""
+    updates_skipped: int = 0
+    """Iterations whose update was skipped; their samples still count as read."""
+    tokens_read: int | None = None
+    """Optional: input tokens read."""
+    tokens_in_loss: int | None = None
+    """Optional: tokens that took part in the loss (padding and masked positions excluded)."""
+
+    def advance(self, *, applied: bool, samples: int, tokens: int | None = None,
+                tokens_in_loss: int | None = None) -> None:
+        """Count one iteration: successful when ``applied``, skipped otherwise."""
+        self.iteration += 1
+        self.samples_read += samples
+        if applied:
+            self.updates_successful += 1
+        else:
+            self.updates_skipped += 1
+        if tokens is not None:
+            self.tokens_read = (self.tokens_read or 0) + tokens
+        if tokens_in_loss is not None:
+            self.tokens_in_loss = (self.tokens_in_loss or 0) + tokens_in_loss
+
+    def check_invariants(self, *, global_batch: int | None = None, where: str = "train state") -> None:
+        """Raise InvariantError naming the counter when the counters contradict each other."""
+        for name in ("iteration", "samples_read", "updates_successful", "updates_skipped"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise InvariantError(f"{where}: {name}: expected a non-negative integer, actual {value!r}")
+        total = self.updates_successful + self.updates_skipped
+        if self.iteration != total:
+            raise InvariantError(
+                f"{where}: iteration: expected updates_successful + updates_skipped = {total}, "
+                f"actual {self.iteration}")
+        if global_batch is not None and self.samples_read != self.iteration * global_batch:
+            raise InvariantError(
+                f"{where}: samples_read: expected iteration x global_batch = "
+                f"{self.iteration} x {global_batch} = {self.iteration * global_batch}, "
+                f"actual {self.samples_read}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, *, source: str = "manifest") -> "TrainState":
+        if not isinstance(data, dict):
+            raise ManifestError(f"{source}: train_state: expected an object, actual {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for required in ("iteration", "samples_read", "updates_successful", "updates_skipped"):
+            if required not in data:
+                raise ManifestError(f"{source}: train_state.{required}: expected an integer, actual missing")
+        unknown = set(data) - known
+        if unknown:
+            raise ManifestError(f"{source}: train_state: unknown fields {sorted(unknown)}")
+        for name, value in data.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ManifestError(f"{source}: train_state.{name}: expected an integer, "
+                                    f"actual {value!r}")
+        return cls(**data)

@@ -1,0 +1,214 @@
+"""Narrow storage interface over a run's root: a handful of primitives.
+
+Paths are ``str`` relative to the root, joined with ``/`` (pathlib mangles
+``s3://``). Local paths take a POSIX fast path (temp file + fsync + rename for
+atomic writes); everything else goes through fsspec, with tenacity retries
+around transient errors. Missing files raise ``FileNotFoundError`` untouched,
+so callers can tell "not there" from "storage broken".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import IO, Callable, Protocol
+
+import tenacity
+
+from .errors import StorageError
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "join"]
+
+CHUNK = 8 << 20
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p not in ("", "."))
+
+
+class Storage(Protocol):
+    """What the core needs from storage. ``root`` is the run's URL or path."""
+
+    root: str
+
+    def url(self, path: str) -> str: ...
+    def exists(self, path: str) -> bool: ...
+    def isdir(self, path: str) -> bool: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def size(self, path: str) -> int: ...
+    def read_bytes(self, path: str) -> bytes: ...
+    def open_read(self, path: str) -> IO[bytes]: ...
+    def write_bytes_atomic(self, path: str, data: bytes) -> None: ...
+    def makedirs(self, path: str) -> None: ...
+    def delete(self, path: str) -> None: ...
+    def local_path(self, path: str) -> str | None: ...
+
+
+class LocalStorage:
+    """A local or parallel file system (POSIX semantics)."""
+
+    def __init__(self, root: str) -> None:
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        self.root = os.path.abspath(root)
+
+    def url(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def local_path(self, path: str) -> str | None:
+        return self.url(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self.url(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(self.url(path))
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(self.url(path)))
+
+    def size(self, path: str) -> int:
+        return os.stat(self.url(path)).st_size
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(self.url(path), "rb") as f:
+            return f.read()
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return open(self.url(path), "rb")
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        # The rename is the commit point: a reader sees the old file or the
+        # whole new one, never a prefix. fsync file, then the directory, so
+        # the rename survives a power loss.
+        target = self.url(path)
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        fsync_dir(directory)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(self.url(path), exist_ok=True)
+
+    def delete(self, path: str) -> None:
+        target = self.url(path)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.exists(target):
+            os.unlink(target)
+
+
+def fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+              FileExistsError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: I/O and connection trouble, not "missing" or "denied"."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    return isinstance(exc, (OSError, ConnectionError, TimeoutError))
+
+
+class FsspecStorage:
+    """Any fsspec file system (s3://, gs://, memory://, ...).
+
+    Every primitive is retried on transient errors (``attempts`` tries with
+    exponential backoff); ``sleep`` is injectable so tests do not sleep.
+    """
+
+    def __init__(self, root: str, *, attempts: int = 5, max_wait: float = 10.0,
+                 sleep: Callable[[float], None] | None = None, fs=None) -> None:
+        import fsspec
+
+        if fs is None:
+            fs, _ = fsspec.core.url_to_fs(root)
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self._protocol_prefix = root.split("://", 1)[0] + "://" if "://" in root else ""
+        retry_kwargs = dict(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_attempt(attempts),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=max_wait),
+            reraise=True,
+        )
+        if sleep is not None:
+            retry_kwargs["sleep"] = sleep
+        self._retrying = tenacity.Retrying(**retry_kwargs)
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return self._retrying(fn, *args, **kwargs)
+        except _PERMANENT:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise StorageError(f"{self.root}: storage operation {fn.__name__} failed after "
+                               f"retries: {type(e).__name__}: {e}") from e
+
+    def url(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def local_path(self, path: str) -> str | None:
+        return None
+
+    def exists(self, path: str) -> bool:
+        return bool(self._call(self.fs.exists, self.url(path)))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self._call(self.fs.isdir, self.url(path)))
+
+    def listdir(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(self.url(path))
+        entries = self._call(self.fs.ls, self.url(path), detail=False)
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def size(self, path: str) -> int:
+        return int(self._call(self.fs.size, self.url(path)))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._call(self.fs.cat_file, self.url(path))
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self._call(self.fs.open, self.url(path), "rb")
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        # One PUT: object stores make a single-object write atomic.
+        self._call(self.fs.pipe_file, self.url(path), data)
+
+    def makedirs(self, path: str) -> None:
+        self._call(self.fs.makedirs, self.url(path), exist_ok=True)
+
+    def delete(self, path: str) -> None:
+        target = self.url(path)
+        if self._call(self.fs.exists, target):
+            self._call(self.fs.rm, target, recursive=True)
+
+
+def open_storage(url: str) -> LocalStorage | FsspecStorage:
+    """The storage for a run URL: POSIX fast path for local paths, fsspec otherwise."""
+    if "://" not in url or url.startswith("file://"):
+        return LocalStorage(url)
+    return FsspecStorage(url)
