@@ -92,6 +92,9 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         write_final(args.final, model, optimizer, coord)
     coord.close()
+    # Leave together: a rank that tears gloo down while its peer is still
+    # busy can abort ("terminate called without an active exception").
+    dist.barrier()
 
 
 def write_final(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -1,0 +1,370 @@
+"""The command line: ``resume save | verify | ls | inspect | drill``.
+
+Exit codes (every command): 0 ok, 1 problems found or failed, 2 usage error,
+3 nothing there (no run, no committed checkpoint), 4 timed out.
+Errors are one line on stderr naming the file, the field, the expected and
+the actual value; with ``--json`` the same error is also printed as a JSON
+object on stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from .errors import (EXIT_NOTHING, EXIT_OK, EXIT_PROBLEM, CheckpointNotFoundError, ResumeError,
+                     UsageError)
+from .run import CheckResult, Run, step_dirname
+
+__all__ = ["cli", "main"]
+
+
+def _emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=1, sort_keys=False))
+
+
+def _is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def command(fn: Callable[..., int]) -> Callable[..., None]:
+    """Map ResumeError (and stray OSError) to a one-line message and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        as_json = kwargs.get("as_json", False)
+        try:
+            code = fn(*args, **kwargs)
+        except ResumeError as e:
+            _fail(str(e), e.exit_code, as_json)
+        except OSError as e:
+            _fail(f"{getattr(e, 'filename', '') or ''}: {type(e).__name__}: {e}".lstrip(": "),
+                  EXIT_PROBLEM, as_json)
+        else:
+            sys.exit(code or EXIT_OK)
+
+    return wrapper
+
+
+def _fail(message: str, code: int, as_json: bool) -> None:
+    if as_json:
+        _emit_json({"ok": False, "error": message, "exit_code": code})
+    click.echo(f"resume: error: {message}", err=True)
+    sys.exit(code)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object; no progress.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="resume")
+def cli() -> None:
+    """Committed, verifiable checkpoints, and a continuity check after every restart.
+
+    Exit codes: 0 ok, 1 problems found / failed, 2 usage error, 3 nothing there
+    (no run, no committed checkpoint), 4 timed out.
+    """
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("run_url", metavar="RUN")
+@click.option("--timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="Seconds to wait for the commit.")
+@click.option("--stop", is_flag=True, help="Ask the job to stop after the save.")
+@json_option
+@command
+def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
+    """Ask a running job to checkpoint at its next iteration boundary; wait for the commit.
+
+    Exits 0 with the committed step, 1 if the save failed, 4 on timeout (the
+    request is then withdrawn), 3 if RUN does not exist.
+    """
+    from .control import post_save_request, wait_for_answer
+
+    run = Run.open(run_url)
+    request = post_save_request(run, stop=stop)
+    show = _is_terminal() and not as_json
+
+    def on_wait(remaining: float) -> None:
+        if show:
+            click.echo(f"\rwaiting for the job to commit a checkpoint ({remaining:5.0f}s left)",
+                       err=True, nl=False)
+
+    try:
+        step = wait_for_answer(run, request, timeout=timeout, on_wait=on_wait)
+    finally:
+        if show:
+            click.echo("", err=True)
+    manifest = run.read_manifest(step)
+    if as_json:
+        _emit_json({"ok": True, "step": step, "train_state": manifest.train_state.to_dict()})
+    else:
+        click.echo(f"committed {step_dirname(step)} (iteration {manifest.train_state.iteration})")
+    return EXIT_OK
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
+    """Invariants and schedule sanity of a committed checkpoint's manifest."""
+    from .continuity import Expectation
+    from .errors import InvariantError, ManifestError
+
+    manifest = result.manifest
+    assert manifest is not None
+    source = run.storage.url(f"{step_dirname(result.step)}/manifest.json")
+    problems = []
+    global_batch = manifest.config.get("global_batch")
+    try:
+        manifest.train_state.check_invariants(
+            global_batch=global_batch if isinstance(global_batch, int) else None, where=source)
+    except InvariantError as e:
+        problems.append(str(e))
+    try:
+        expectation = Expectation.from_dict(manifest.expectation, source=source)
+    except ManifestError as e:
+        return problems + [str(e)]
+    successful = manifest.train_state.updates_successful
+    for i, steps in enumerate(expectation.optimizer_steps):
+        if steps != successful:
+            problems.append(f"{source}: expectation.optimizer_steps[{i}]: expected {successful} "
+                            f"(updates_successful), actual {steps}")
+    if len(expectation.lr_ahead) < 2:
+        problems.append(f"{source}: expectation.lr_ahead: expected >= 2 updates, "
+                        f"actual {len(expectation.lr_ahead)}")
+    if any(lr != lr or lr < 0 for lrs in expectation.lr_ahead for lr in lrs):
+        problems.append(f"{source}: expectation.lr_ahead: expected non-negative LRs, "
+                        f"actual {expectation.lr_ahead}")
+    return problems
+
+
+def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
+    """Deep: DCP's pickled .metadata must parse with the restricted unpickler."""
+    if result.manifest is None or ".metadata" not in result.manifest.files:
+        return []
+    try:
+        from .adapters.dcp_safe import restricted_load_metadata
+    except ImportError:
+        return []
+    path = f"{step_dirname(result.step)}/.metadata"
+    try:
+        restricted_load_metadata(run.storage.read_bytes(path), source=run.storage.url(path))
+    except ResumeError as e:
+        return [str(e)]
+    return []
+
+
+@cli.command()
+@click.argument("run_url", metavar="RUN")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Verify only this step.")
+@click.option("--deep", is_flag=True, help="Also read every file and compare its xxh3 checksum.")
+@json_option
+@command
+def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
+    """Check checkpoints: complete, sizes, checksums (--deep), invariants, schedule.
+
+    Without --step every step directory is checked; uncommitted ones (no
+    manifest: a save that did not finish) are listed but are not problems.
+    Exits 0 if every committed checkpoint is sound, 1 naming each problem, 3 if
+    there is no run or no checkpoint at all.
+    """
+    run = Run.open(run_url)
+    steps = run.step_dirs()
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFoundError(f"{run.storage.url(step_dirname(step))}: expected a step "
+                                          f"directory, actual missing (steps: {steps})")
+        steps = [step]
+    if not steps:
+        raise CheckpointNotFoundError(f"{run.url}: expected checkpoints, actual none")
+
+    results = []
+    for s in steps:
+        result = _check_with_progress(run, s, deep=deep, show=_is_terminal() and not as_json)
+        if result.committed:
+            result.problems.extend(_semantic_problems(run, result))
+            if deep:
+                result.problems.extend(_check_dcp_metadata(run, result))
+        results.append(result)
+
+    committed_or_broken = [r for r in results if r.manifest is not None or step is not None]
+    problems = [(r.step, p) for r in committed_or_broken for p in r.problems]
+    ok = not problems and any(r.committed for r in results)
+    if as_json:
+        _emit_json({"ok": ok, "deep": deep, "steps": [
+            {"step": r.step, "committed": r.committed, "manifest": r.manifest is not None,
+             "problems": r.problems} for r in results]})
+    else:
+        for r in results:
+            if r.committed:
+                state = r.manifest.train_state  # type: ignore[union-attr]
+                click.echo(f"{step_dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
+                           f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
+            elif r.manifest is None and step is None:
+                click.echo(f"{step_dirname(r.step)}  uncommitted (ignored): {r.reason}")
+            else:
+                for p in r.problems:
+                    click.echo(f"{step_dirname(r.step)}  PROBLEM: {p}")
+    if problems:
+        for s, p in problems:
+            click.echo(f"resume: error: {p}", err=True)
+        return EXIT_PROBLEM
+    if not ok:
+        click.echo(f"resume: error: {run.url}: expected a committed checkpoint, actual none", err=True)
+        return EXIT_NOTHING if step is None else EXIT_PROBLEM
+    return EXIT_OK
+
+
+def _check_with_progress(run: Run, step: int, *, deep: bool, show: bool) -> CheckResult:
+    if not (deep and show):
+        return run.check(step, deep=deep)
+    try:
+        total = run.read_manifest(step).total_bytes
+    except ResumeError:
+        return run.check(step, deep=deep)
+    with click.progressbar(length=total, label=f"verifying {step_dirname(step)}",
+                           file=sys.stderr) as bar:
+        return run.check(step, deep=True, progress=bar.update)
+
+
+# -- ls / inspect ------------------------------------------------------------------------------
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@cli.command(name="ls")
+@click.argument("run_url", metavar="RUN")
+@json_option
+@command
+def ls_command(run_url: str, as_json: bool) -> int:
+    """List checkpoints with their counters; uncommitted step directories say why."""
+    run = Run.open(run_url)
+    results = [run.check(s) for s in run.step_dirs()]
+    if as_json:
+        _emit_json({"run": run.url, "latest_hint": run.latest_hint(), "checkpoints": [
+            {"step": r.step, "committed": r.committed, "reason": r.reason or None,
+             "train_state": r.manifest.train_state.to_dict() if r.manifest else None,
+             "bytes": r.manifest.total_bytes if r.manifest else None,
+             "created_at": r.manifest.created_at if r.manifest else None} for r in results]})
+        return EXIT_OK if results else EXIT_NOTHING
+    if not results:
+        click.echo(f"resume: error: {run.url}: expected checkpoints, actual none", err=True)
+        return EXIT_NOTHING
+    click.echo(f"{'step':>10}  {'status':<11}  {'iteration':>9}  {'samples':>10}  {'ok':>8}  "
+               f"{'skipped':>7}  {'size':>10}  created")
+    for r in results:
+        if r.manifest is not None:
+            s = r.manifest.train_state
+            status = "committed" if r.committed else "BROKEN"
+            click.echo(f"{r.step:>10}  {status:<11}  {s.iteration:>9}  {s.samples_read:>10}  "
+                       f"{s.updates_successful:>8}  {s.updates_skipped:>7}  "
+                       f"{_human_bytes(r.manifest.total_bytes):>10}  {r.manifest.created_at}")
+            if not r.committed:
+                click.echo(f"{'':>10}  {r.reason}")
+        else:
+            click.echo(f"{r.step:>10}  {'uncommitted':<11}  {r.reason}")
+    return EXIT_OK
+
+
+@cli.command()
+@click.argument("run_url", metavar="RUN")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="The step to show (default: the newest committed).")
+@json_option
+@command
+def inspect(run_url: str, step: int | None, as_json: bool) -> int:
+    """Show one checkpoint's manifest: counters, expectation, files, topology, config."""
+    run = Run.open(run_url)
+    manifest = run.manifest_for(step)
+    if as_json:
+        _emit_json(json.loads(manifest.to_json()))
+        return EXIT_OK
+    s, e = manifest.train_state, manifest.expectation
+    click.echo(f"{step_dirname(manifest.step)}  ({run.storage.url(step_dirname(manifest.step))})")
+    click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
+    click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
+               f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
+    click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
+    click.echo(f"  topology      {json.dumps(manifest.topology, sort_keys=True)}")
+    nb = e.get("next_batch")
+    if nb:
+        ids = nb["ids"]
+        shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+        click.echo(f"  next batch    {nb['samples']} samples [{shown}] digest {nb['digest']}")
+    else:
+        click.echo("  next batch    none (end of data)")
+    for i, lrs in enumerate(e.get("lr_ahead", [])):
+        click.echo(f"  lr +{i:<9d}{lrs}")
+    click.echo(f"  optimizers    steps {e.get('optimizer_steps')}")
+    click.echo(f"  files         {len(manifest.files)}, {_human_bytes(manifest.total_bytes)}")
+    for rel, entry in sorted(manifest.files.items()):
+        click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")
+    return EXIT_OK
+
+
+# -- drill -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--run", "run_url", default=None,
+              help="Run directory (local path or fsspec URL) of the drilled run; default a new "
+                   "temporary directory. Its checkpoints stay there for verify/ls/inspect.")
+@click.option("--ranks", type=int, default=2, show_default=True, help="Processes (gloo, CPU).")
+@click.option("--iterations", type=click.IntRange(min=2), default=40, show_default=True)
+@click.option("--every", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Checkpoint interval in iterations.")
+@click.option("--kills", type=click.IntRange(min=0), default=2, show_default=True,
+              help="SIGKILLs at random iterations after a checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+@command
+def drill(run_url: str | None, ranks: int, iterations: int, every: int, kills: int, seed: int,
+          as_json: bool) -> int:
+    """The resume drill: train a tiny GPT straight through, then again with SIGKILLs and
+    resumes, and compare parameters, moments, LR and loss traces and counters bitwise.
+
+    Exits 0 only if everything is identical.
+    """
+    try:
+        from .drill.runner import DrillConfig, format_table, run_drill
+    except ImportError as e:
+        raise UsageError(f"resume drill needs torch: expected it installed, actual {e} "
+                         "(pip install torch==2.13.0)") from e
+    cfg = DrillConfig(run=run_url, ranks=ranks, iterations=iterations, every=every, kills=kills,
+                      seed=seed)
+    say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
+    try:
+        result = run_drill(cfg, say=say)
+    except RuntimeError as e:
+        raise DrillFailed(str(e)) from e
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        click.echo(format_table(result))
+    return EXIT_OK if result.identical else EXIT_PROBLEM
+
+
+class DrillFailed(ResumeError):
+    exit_code = EXIT_PROBLEM
+
+
+def main() -> None:
+    cli(prog_name="resume")
+
+
+if __name__ == "__main__":
+    main()

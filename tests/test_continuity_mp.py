@@ -1,0 +1,142 @@
+"""The continuity check, on 2 real processes (gloo, DDP, torch.distributed.checkpoint).
+
+One job trains and checkpoints; then each scenario rebuilds the job the way a
+restarted job gets it wrong and must be refused with ContinuityError naming
+the item, before a single update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from multiproc import run_ranks
+from workloads import Setup, build, restore_outcome, train
+
+pytestmark = pytest.mark.multiprocess
+
+SCENARIOS = {
+    "unchanged": Setup(),
+    "scheduler_longer": Setup(total_updates=40),
+    "scheduler_other_peak": Setup(peak_lr=2e-2),
+    "moments_not_loaded": Setup(drop_optimizer_state=True),
+    "loader_restarted_at_epoch_start": Setup(stateless_loader=True),
+    "seed_changed": Setup(seed=1),
+    "seed_changed_undeclared": Setup(sampler_seed=7),
+    "global_batch_changed": Setup(global_batch=8),
+}
+
+
+def scenarios(rank: int, world: int, tmp: str) -> dict:
+    results = {}
+    for name, setup in SCENARIOS.items():
+        run = f"{tmp}/{name}"
+        # Phase 1: the job as it ran before the failure (for the stateless
+        # loader, the same loader ran then too: it simply cannot be restored).
+        before = Setup(stateless_loader=setup.stateless_loader,
+                       declare_seed=setup.declare_seed)
+        coord, parts = build(rank, world, run, before)
+        coord.restore()
+        train(coord, parts, until=7, skip={2})
+        coord.close()
+        # Phase 2: the restarted job.
+        coord, _ = build(rank, world, run, setup)
+        results[name] = restore_outcome(coord)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("continuity"))
+    per_rank = run_ranks(scenarios, 2, tmp)
+    assert per_rank[0] == per_rank[1], "ranks disagreed on the outcome"
+    return per_rank[0]
+
+
+def test_unchanged_restart_passes_the_check(outcomes):
+    assert outcomes["unchanged"] == "ok@6"
+
+
+def test_scheduler_rebuilt_with_another_length_is_caught(outcomes):
+    assert outcomes["scheduler_longer"] == "schedule[0].lr_lambdas"
+
+
+def test_scheduler_rebuilt_with_another_peak_is_caught(outcomes):
+    assert outcomes["scheduler_other_peak"] == "schedule[0].base_lrs"
+
+
+def test_optimizer_moments_not_loaded_are_caught(outcomes):
+    assert outcomes["moments_not_loaded"].startswith("optimizer[0].moments")
+
+
+def test_loader_restarted_at_epoch_start_is_caught(outcomes):
+    assert outcomes["loader_restarted_at_epoch_start"] == "next_batch.ids"
+
+
+def test_changed_seed_is_caught_by_config(outcomes):
+    assert outcomes["seed_changed"] == "config.seed"
+
+
+def test_changed_data_seed_is_caught_by_next_batch(outcomes):
+    assert outcomes["seed_changed_undeclared"] == "next_batch.ids"
+
+
+def test_changed_global_batch_is_caught(outcomes):
+    assert outcomes["global_batch_changed"] == "config.global_batch"
+
+
+def skip_steps_scheduler(rank: int, world: int, tmp: str) -> str:
+    coord, parts = build(rank, world, f"{tmp}/run", Setup())
+    coord.restore()
+    try:
+        train(coord, parts, until=6, skip={4}, step_scheduler_on_skip=True)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    finally:
+        coord.close()
+    return "no error"
+
+
+def test_skipped_update_that_stepped_the_scheduler_is_caught(tmp_path):
+    outcome = run_ranks(skip_steps_scheduler, 2, str(tmp_path))
+    for message in outcome:
+        assert message.startswith("ContinuityError: continuity check failed: scheduler[0].position")
+        assert "stepped on an update reported as skipped" in message
+
+
+def resume_matches_uninterrupted(rank: int, world: int, tmp: str) -> dict:
+    # Uninterrupted reference.
+    ref, ref_parts = build(rank, world, f"{tmp}/ref", Setup(every=0))
+    ref.restore()
+    ref_trace = train(ref, ref_parts, until=10, skip={5})
+    ref.close()
+    # Interrupted after iteration 7 (checkpoint at 6), resumed in fresh objects.
+    coord, parts = build(rank, world, f"{tmp}/run", Setup())
+    coord.restore()
+    first = train(coord, parts, until=7, skip={5})
+    coord.close()
+    coord, parts = build(rank, world, f"{tmp}/run", Setup())
+    coord.restore()
+    restored = coord.restored_from
+    rest = train(coord, parts, until=10, skip={5})
+    coord.close()
+    return {"ref": ref_trace, "first": first, "rest": rest, "restored_from": restored,
+            "state": coord.state.to_dict(), "ref_state": ref.state.to_dict()}
+
+
+def test_resumed_run_continues_exactly_where_it_stopped(tmp_path):
+    for out in run_ranks(resume_matches_uninterrupted, 2, str(tmp_path)):
+        assert out["restored_from"] == 6
+        assert out["rest"][0]["iteration"] == 7
+        assert out["first"][:6] + out["rest"] == out["ref"]  # ids, loss and LR, bitwise
+        assert out["first"][6] == out["rest"][0]             # the replayed iteration
+        assert out["state"] == out["ref_state"]
+        assert out["state"]["updates_skipped"] == 1
+
+
+def test_setup_defaults_are_what_phase_one_used():
+    # Guard for the scenarios above: only the named knob differs from the default.
+    base = dataclasses.asdict(Setup())
+    for name, setup in SCENARIOS.items():
+        diff = {k for k, v in dataclasses.asdict(setup).items() if base[k] != v}
+        assert len(diff) <= 1, (name, diff)

@@ -1,0 +1,135 @@
+"""Training set-ups the multi-process tests run (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resume import ContinuityError, Coordinator, ResumeError
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
+
+CFG = GPTConfig(vocab=32, seq_len=8, width=16, layers=1, heads=2)
+GLOBAL_BATCH = 4
+ITERATIONS = 20
+
+
+@dataclass
+class Setup:
+    """What to build; every field a knob a restarted job might get wrong."""
+
+    seed: int = 0
+    sampler_seed: int | None = None
+    global_batch: int = GLOBAL_BATCH
+    total_updates: int = ITERATIONS
+    peak_lr: float = 1e-2
+    stateless_loader: bool = False
+    drop_optimizer_state: bool = False
+    every: int = 3
+    declare_seed: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+class StatelessLoader:
+    """A loader without state_dict, like a plain DataLoader: restarts at its epoch start."""
+
+    def __init__(self, inner: StatefulLoader) -> None:
+        self.inner = inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+
+class ForgetfulAdapter(NativeTorchAdapter):
+    """Loads the model but not the optimizer state (the classic bug)."""
+
+    def load_shards(self, storage, step_dir):
+        saved = [opt.state_dict() for opt in self.optimizers]
+        super().load_shards(storage, step_dir)
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)  # back to the fresh (empty) moments
+
+
+def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, dict]:
+    torch.manual_seed(setup.seed)
+    random.seed(setup.seed)
+    np.random.seed(setup.seed)
+    model = TinyGPT(CFG)
+    ddp = DDP(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(3, setup.total_updates))
+    dataset = SyntheticTokens(num_samples=24, cfg=CFG)
+    sampler = GlobalPositionSampler(len(dataset), setup.global_batch, rank=rank, world_size=world,
+                                    seed=setup.seed if setup.sampler_seed is None else setup.sampler_seed)
+    data: Any = StatefulLoader(dataset, sampler)
+    if setup.stateless_loader:
+        data = StatelessLoader(data)
+    cls = ForgetfulAdapter if setup.drop_optimizer_state else NativeTorchAdapter
+    adapter = cls(ddp, opt, sched, data)
+    config = {"seed": setup.seed} if setup.declare_seed else {}
+    coord = Coordinator(run, adapter, global_batch=setup.global_batch, every=setup.every,
+                        seq_len=CFG.seq_len, config=config, handle_signals=False)
+    return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
+
+
+def train(coord: Coordinator, parts: dict, until: int, *, skip: set[int] = frozenset(),
+          step_scheduler_on_skip: bool = False) -> list[dict]:
+    trace = []
+    model, ddp, opt, sched = parts["model"], parts["ddp"], parts["opt"], parts["sched"]
+    for batch in coord.batches():
+        iteration = coord.iteration + 1
+        tokens = batch["tokens"]
+        logits = ddp(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()
+        applied = iteration not in skip
+        lr = opt.param_groups[0]["lr"]
+        if applied:
+            opt.step()
+            sched.step()
+        elif step_scheduler_on_skip:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        trace.append({"iteration": iteration, "loss": loss.item(), "lr": lr,
+                      "ids": batch["ids"].tolist()})
+        coord.update(applied=applied)
+        if coord.iteration >= until:
+            break
+    return trace
+
+
+def restore_outcome(coord: Coordinator) -> str:
+    """'ok@<step restored>', or the item a ContinuityError names, or the error and message."""
+    try:
+        coord.restore()
+    except ContinuityError as e:
+        return e.item
+    except ResumeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        coord.close()
+    return f"ok@{coord.restored_from}"
+
+
+def param_digests(model: torch.nn.Module) -> dict:
+    from resume.drill.worker import tensor_digest
+
+    return {n: tensor_digest(p) for n, p in model.state_dict().items()}
+
+
+def moment_digests(opt: torch.optim.Optimizer) -> list:
+    from resume.drill.worker import tensor_digest
+
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append({k: tensor_digest(v) for k, v in sorted(opt.state.get(p, {}).items())
+                        if isinstance(v, torch.Tensor)})
+    return out
