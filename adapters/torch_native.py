@@ -13,6 +13,7 @@ zero gradients) before the load; the step counters of ours ignore that step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 import warnings
@@ -29,7 +30,8 @@ from resume.comm import Comm, LocalComm
 from resume.storage import Storage
 
 from . import jsonstate
-from .dcp_safe import SafeFileSystemReader, SafeFsspecReader, SafeLoadPlanner
+from .dcp_safe import (SafeFileSystemReader, SafeFsspecReader, SafeLoadPlanner,
+                       restricted_load_metadata)
 
 __all__ = ["TorchDistComm", "NativeTorchAdapter", "comm_for"]
 
@@ -236,8 +238,9 @@ class NativeTorchAdapter(Adapter):
         else:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
             writer = FsspecWriter(storage.url(step_dir), sync_files=False)
-        metadata = dcp.save(state, storage_writer=writer, process_group=self.process_group,
-                            no_dist=self.comm.world_size == 1 and not dist.is_initialized())
+        with _quiet_single_process():
+            metadata = dcp.save(state, storage_writer=writer, process_group=self.process_group,
+                                no_dist=not dist.is_initialized())
         return self._files_of_this_rank(metadata)
 
     def _files_of_this_rank(self, metadata: Any) -> list[str]:
@@ -255,18 +258,30 @@ class NativeTorchAdapter(Adapter):
         return sorted(mine)
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
+        # Refuse a hostile .metadata here, with our error, before DCP sees it
+        # (the reader below checks again, for the read it actually loads).
+        metadata_path = f"{step_dir}/.metadata"
+        restricted_load_metadata(storage.read_bytes(metadata_path), source=storage.url(metadata_path))
         state = self._sharded_state()
         local = storage.local_path(step_dir)
         reader = (SafeFileSystemReader(local) if local is not None
                   else SafeFsspecReader(storage.url(step_dir)))
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
-                 process_group=self.process_group,
-                 no_dist=self.comm.world_size == 1 and not dist.is_initialized())
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                     process_group=self.process_group, no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 
     def topology(self) -> dict:
         return {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it "assumes" a single process; without a process group that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _distcp_owner(name: str) -> int | None:

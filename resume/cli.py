@@ -195,20 +195,21 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
                 result.problems.extend(_check_dcp_metadata(run, result))
         results.append(result)
 
-    committed_or_broken = [r for r in results if r.manifest is not None or step is not None]
-    problems = [(r.step, p) for r in committed_or_broken for p in r.problems]
+    # A step directory without any manifest is a save that never finished:
+    # listed, not a problem, unless it was asked for by --step.
+    problems = [(r.step, p) for r in results if r.has_manifest or step is not None for p in r.problems]
     ok = not problems and any(r.committed for r in results)
     if as_json:
         _emit_json({"ok": ok, "deep": deep, "steps": [
-            {"step": r.step, "committed": r.committed, "manifest": r.manifest is not None,
-             "problems": r.problems} for r in results]})
+            {"step": r.step, "status": r.status, "committed": r.committed, "problems": r.problems}
+            for r in results]})
     else:
         for r in results:
             if r.committed:
                 state = r.manifest.train_state  # type: ignore[union-attr]
                 click.echo(f"{step_dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
                            f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
-            elif r.manifest is None and step is None:
+            elif not r.has_manifest and step is None:
                 click.echo(f"{step_dirname(r.step)}  uncommitted (ignored): {r.reason}")
             else:
                 for p in r.problems:
@@ -256,7 +257,7 @@ def ls_command(run_url: str, as_json: bool) -> int:
     results = [run.check(s) for s in run.step_dirs()]
     if as_json:
         _emit_json({"run": run.url, "latest_hint": run.latest_hint(), "checkpoints": [
-            {"step": r.step, "committed": r.committed, "reason": r.reason or None,
+            {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
              "train_state": r.manifest.train_state.to_dict() if r.manifest else None,
              "bytes": r.manifest.total_bytes if r.manifest else None,
              "created_at": r.manifest.created_at if r.manifest else None} for r in results]})
@@ -269,14 +270,14 @@ def ls_command(run_url: str, as_json: bool) -> int:
     for r in results:
         if r.manifest is not None:
             s = r.manifest.train_state
-            status = "committed" if r.committed else "BROKEN"
+            status = r.status
             click.echo(f"{r.step:>10}  {status:<11}  {s.iteration:>9}  {s.samples_read:>10}  "
                        f"{s.updates_successful:>8}  {s.updates_skipped:>7}  "
                        f"{_human_bytes(r.manifest.total_bytes):>10}  {r.manifest.created_at}")
             if not r.committed:
                 click.echo(f"{'':>10}  {r.reason}")
         else:
-            click.echo(f"{r.step:>10}  {'uncommitted':<11}  {r.reason}")
+            click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
     return EXIT_OK
 
 

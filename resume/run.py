@@ -60,6 +60,10 @@ class CheckResult:
     manifest: Manifest | None = None
     problems: list[str] = field(default_factory=list)
     deep: bool = False
+    has_manifest: bool = True
+    """False when the step directory has no manifest at all: a save that never
+    finished. Not committed, but not damage either; a manifest that exists and
+    is invalid, or lists files that are wrong, is damage."""
 
     @property
     def committed(self) -> bool:
@@ -68,6 +72,13 @@ class CheckResult:
     @property
     def reason(self) -> str:
         return "; ".join(self.problems)
+
+    @property
+    def status(self) -> str:
+        """'committed', 'uncommitted' (no manifest) or 'broken'."""
+        if self.committed:
+            return "committed"
+        return "broken" if self.has_manifest else "uncommitted"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,6 +161,7 @@ class Run:
         try:
             result.manifest = self.read_manifest(step)
         except CheckpointNotFoundError:
+            result.has_manifest = False
             result.problems.append(f"{self.storage.url(self.step_path(step, MANIFEST_NAME))}: "
                                    "missing (uncommitted)")
             return result

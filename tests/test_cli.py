@@ -1,0 +1,236 @@
+"""The command line against real runs: the drill's run, torn and corrupt checkpoints,
+bad input, and ``resume save`` against a job that is training right now."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+RESUME = [sys.executable, "-m", "resume.cli"]
+
+
+def resume(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*RESUME, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and all(line.startswith("resume: error: ") for line in lines), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def drilled(tmp_path_factory):
+    """One real drill (2 ranks, 2 SIGKILLs); its run directory, copied per test."""
+    run = str(tmp_path_factory.mktemp("drill") / "run")
+    proc = resume("drill", "--run", run, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    return run, result
+
+
+@pytest.fixture
+def run_copy(drilled, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(drilled[0], run)
+    return run
+
+
+def test_drill_is_identical_and_kills_twice(drilled):
+    _, result = drilled
+    assert result["identical"] is True
+    assert len(result["kills"]) == 2 and result["kills"][0] < result["kills"][1]
+    assert {r["item"] for r in result["rows"]} >= {"parameters", "optimizer moments", "lr trace",
+                                                     "loss trace", "counters"}
+    assert all(r["match"] for r in result["rows"])
+
+
+def test_verify_deep_passes_on_the_drill_run(run_copy):
+    proc = resume("verify", run_copy, "--deep", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["deep"]
+    assert [s["step"] for s in report["steps"]] == [30, 35, 40]
+
+
+def test_verify_deep_names_the_shard_with_one_flipped_byte(run_copy):
+    shard = os.path.join(run_copy, "step-000000035", "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    shallow = resume("verify", run_copy)
+    assert shallow.returncode == 0  # sizes are right: only the checksums can tell
+    proc = resume("verify", run_copy, "--deep")
+    assert_one_line_error(proc, 1, "step-000000035/__1_0.distcp", "checksum: expected xxh3:")
+
+
+def test_deleted_newest_manifest_shows_uncommitted_and_restore_uses_the_previous(run_copy, tmp_path):
+    os.unlink(os.path.join(run_copy, "step-000000040", "manifest.json"))
+    proc = resume("ls", run_copy, "--json")
+    assert proc.returncode == 0
+    rows = {c["step"]: c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert rows[40]["committed"] is False and "manifest.json: missing" in rows[40]["reason"]
+    assert rows[35]["committed"] is True
+    human = resume("ls", run_copy).stdout
+    assert any(line.split()[:2] == ["40", "uncommitted"] for line in human.splitlines())
+
+    # A real restore (2 ranks, the drill's own job) falls back to step 35 and
+    # replaces the torn step 40 with a committed one.
+    trace = tmp_path / "trace.jsonl"
+    rc = launch_worker(run_copy, iterations=40, every=5, trace=str(trace), final=str(tmp_path / "f.json"))
+    assert rc == [0, 0]
+    first = json.loads(trace.read_text().splitlines()[0])
+    assert first["restored_from"] == 35 and first["iteration"] == 36
+    assert json.loads(resume("ls", run_copy, "--json").stdout)["checkpoints"][-1]["committed"]
+
+
+def test_inspect_shows_counters_and_expectation(run_copy):
+    proc = resume("inspect", run_copy, "--json")
+    assert proc.returncode == 0
+    manifest = json.loads(proc.stdout)
+    assert manifest["step"] == 40
+    assert manifest["train_state"]["updates_skipped"] == 2
+    assert manifest["train_state"]["samples_read"] == 40 * 8
+    assert len(manifest["expectation"]["lr_ahead"]) >= 2
+    assert manifest["expectation"]["next_batch"]["samples"] == 8
+    human = resume("inspect", run_copy, "--step", "30")
+    assert human.returncode == 0 and "iteration 30" in human.stdout
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_missing_run_exits_3_naming_it(tmp_path):
+    missing = str(tmp_path / "nope")
+    for cmd in ("ls", "verify", "inspect"):
+        assert_one_line_error(resume(cmd, missing), 3, missing, "expected an existing directory")
+
+
+def test_empty_run_exits_3(tmp_path):
+    for cmd in ("ls", "verify", "inspect"):
+        assert_one_line_error(resume(cmd, str(tmp_path)), 3, "expected")
+
+
+def test_step_that_does_not_exist_exits_3(run_copy):
+    assert_one_line_error(resume("inspect", run_copy, "--step", "7"), 3, "step-000000007")
+    assert_one_line_error(resume("verify", run_copy, "--step", "7"), 3, "step-000000007")
+
+
+def _rewrite_manifest(run: str, step: int, mutate) -> str:
+    path = os.path.join(run, f"step-{step:09d}", "manifest.json")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(mutate(text))
+    return path
+
+
+def test_manifest_that_is_not_json_is_named(run_copy):
+    path = _rewrite_manifest(run_copy, 40, lambda t: t[: len(t) // 2])
+    assert_one_line_error(resume("verify", run_copy, "--step", "40"), 1, path, "expected JSON")
+    assert_one_line_error(resume("inspect", run_copy, "--step", "40"), 1, path, "expected JSON")
+
+
+def test_unknown_schema_version_is_named(run_copy):
+    def bump(text: str) -> str:
+        body = json.loads(text)
+        body["schema_version"] = 99
+        return json.dumps(body)
+
+    path = _rewrite_manifest(run_copy, 40, bump)
+    assert_one_line_error(resume("verify", run_copy), 1, path, "schema_version: expected 1, actual 99")
+
+
+def test_listed_file_missing_or_wrong_size_is_named(run_copy):
+    os.unlink(os.path.join(run_copy, "step-000000030", "rank-00001.json"))
+    with open(os.path.join(run_copy, "step-000000035", "__0_0.distcp"), "ab") as f:
+        f.write(b"x")
+    proc = resume("verify", run_copy)
+    assert_one_line_error(proc, 1, "step-000000030/rank-00001.json: expected a file of",
+                          "actual missing", "step-000000035/__0_0.distcp: size: expected")
+
+
+def test_usage_error_exits_2():
+    proc = resume("verify")
+    assert proc.returncode == 2
+    assert resume("drill", "--kills", "99").returncode == 2
+
+
+# -- resume save against a running job -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(run: str, *, iterations: int, every: int, trace: str, final: str,
+                 ranks: int = 2) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "resume.drill.worker", "--run", run, "--iterations", str(iterations),
+             "--every", str(every), "--skip", "3", "--trace", trace, "--final", final],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def launch_worker(run: str, **kwargs) -> list[int]:
+    procs = start_worker(run, **kwargs)
+    return [p.wait(timeout=240) for p in procs]
+
+
+def test_resume_save_commits_at_the_next_boundary_of_a_running_job(tmp_path):
+    run, trace = str(tmp_path / "run"), tmp_path / "trace.jsonl"
+    procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
+                         final=str(tmp_path / "f.json"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (trace.exists() and trace.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline, "training did not start"
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+            time.sleep(0.2)
+        proc = resume("save", run, "--timeout", "120", "--json", timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        answer = json.loads(proc.stdout)
+        step = answer["step"]
+        assert step >= 3 and answer["train_state"]["iteration"] == step
+        listing = json.loads(resume("ls", run, "--json").stdout)["checkpoints"]
+        assert [(c["step"], c["committed"]) for c in listing] == [(step, True)]
+        assert resume("verify", run, "--deep").returncode == 0
+        # --stop: the job saves once more, then leaves its loop by itself.
+        stop = resume("save", run, "--stop", "--timeout", "120", "--json", timeout=180)
+        assert stop.returncode == 0 and json.loads(stop.stdout)["step"] > step
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+
+
+def test_resume_save_times_out_with_exit_4_when_no_job_runs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = resume("save", str(run), "--timeout", "1")
+    assert_one_line_error(proc, 4, "within 1s")
+    assert os.listdir(run / "control") == []  # the request was withdrawn
