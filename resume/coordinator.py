@@ -156,11 +156,10 @@ class Coordinator:
 
     def restore(self) -> TrainState:
         """Load the newest committed checkpoint (or start fresh) and check continuity."""
-        found = self._on_rank0(self._discover)
-        if found is None:
+        manifest = self._discover()
+        if manifest is None:
             self._start_fresh()
             return self.state
-        manifest = Manifest.from_json(found, source=self.run.storage.url(step_dirname(0)))
         self._load(manifest)
         return self.state
 
@@ -218,17 +217,47 @@ class Coordinator:
 
     # -- restore -------------------------------------------------------------------------
 
-    def _discover(self) -> str | None:
-        manifest, rejected = self.run.find_latest(deep=self.verify_on_restore)
-        if manifest is not None:
-            return manifest.to_json()
+    def _discover(self) -> Manifest | None:
+        """The newest committed checkpoint whose files all verify; None for a fresh start.
+
+        Rank 0 lists once and runs the commit check (manifest valid, sizes
+        right); then, with ``verify_on_restore``, every rank reads its share of
+        the candidate's files and compares checksums, so a corrupt newest
+        checkpoint is passed over for the previous one.
+        """
+        candidates = self._on_rank0(self._list_candidates)
+        rejected: list[str] = []
+        for step, text, reason in candidates:
+            if text is None:
+                rejected.append(f"{step_dirname(step)}: {reason}")
+                continue
+            manifest = Manifest.from_json(text, source=self.run.storage.url(step_dirname(step)))
+            if self.verify_on_restore:
+                share = sorted(manifest.files)[self.rank::self.comm.world_size]
+                problems = self.run.verify_checksums(manifest, share)
+                problems = [p for rank_problems in self.comm.all_gather_object(problems)
+                            for p in rank_problems]
+                if problems:
+                    rejected.append(f"{step_dirname(step)}: {'; '.join(problems)}")
+                    continue
+            if rejected and self.rank == 0:
+                for why in rejected:
+                    log.warning("resume: passing over %s", why)
+            return manifest
         if rejected and not self.allow_fresh_start:
-            reasons = "; ".join(f"{step_dirname(r.step)}: {r.reason}" for r in rejected[:3])
             raise NoValidCheckpointError(
                 f"{self.run.url}: expected a committed checkpoint among {len(rejected)} step "
-                f"directories, actual none valid ({reasons}); refusing to start from scratch "
-                "(allow_fresh_start / --allow-fresh-start to override)")
+                f"directories, actual none valid ({'; '.join(rejected[:3])}); refusing to start "
+                "from scratch (allow_fresh_start=True to override)")
         return None
+
+    def _list_candidates(self) -> list[tuple[int, str | None, str]]:
+        """Rank 0: every step directory, newest first, with its manifest if it passes the check."""
+        out = []
+        for step in reversed(self.run.step_dirs()):
+            result = self.run.check(step)
+            out.append((step, result.manifest.to_json() if result.committed else None, result.reason))
+        return out
 
     def _start_fresh(self) -> None:
         def write_info() -> None:

@@ -28,7 +28,29 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode(), validate=True)
 
 
+def _to_json(value: Any) -> Any:
+    """numpy bit-generator states hold arrays for some generators (MT19937, Philox, SFC64)."""
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        return {"__array__": value.tolist(), "dtype": str(value.dtype)}
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
+        return value.item()
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__array__" in value:
+            np = sys.modules["numpy"]
+            return np.array(value["__array__"], dtype=value["dtype"])
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
 def _capture_one(gen: Any) -> dict:
+    if isinstance(gen, random.SystemRandom):
+        raise TypeError("cannot capture the state of a SystemRandom generator (it has none)")
     if isinstance(gen, random.Random):
         version, internal, gauss = gen.getstate()
         return {"kind": "python", "version": version, "state": list(internal), "gauss": gauss}
@@ -37,7 +59,7 @@ def _capture_one(gen: Any) -> dict:
         return {"kind": "torch", "state": _b64(bytes(gen.get_state().numpy().tobytes()))}
     np = sys.modules.get("numpy")
     if np is not None and isinstance(gen, np.random.Generator):
-        return {"kind": "numpy.Generator", "state": gen.bit_generator.state}
+        return {"kind": "numpy.Generator", "state": _to_json(gen.bit_generator.state)}
     raise TypeError(f"cannot capture the state of a {type(gen).__name__} generator")
 
 
@@ -49,7 +71,7 @@ def _restore_one(gen: Any, state: dict) -> None:
         torch = sys.modules["torch"]
         gen.set_state(torch.frombuffer(bytearray(_unb64(state["state"])), dtype=torch.uint8))
     elif kind == "numpy.Generator":
-        gen.bit_generator.state = state["state"]
+        gen.bit_generator.state = _from_json(state["state"])
     else:
         raise ValueError(f"unknown generator kind {kind!r}")
 

@@ -180,11 +180,30 @@ class Run:
                 result.problems.append(f"{source}: size: expected {entry.size}, actual {size}")
                 continue
             if deep:
-                _, checksum = checksum_file(self.storage, path, progress)
-                if checksum != entry.checksum:
-                    result.problems.append(f"{source}: checksum: expected {entry.checksum}, "
-                                           f"actual {checksum}")
+                result.problems.extend(self.verify_checksums(result.manifest, [rel], progress))
         return result
+
+    def verify_checksums(self, manifest: Manifest, paths: Iterable[str],
+                         progress: Callable[[int], None] | None = None) -> list[str]:
+        """Problems found reading ``paths`` (of ``manifest``) and comparing their checksums.
+
+        The deep half of the commit check, split out so that every rank can
+        verify its share of a large checkpoint.
+        """
+        problems = []
+        for rel in paths:
+            entry = manifest.files[rel]
+            path = self.step_path(manifest.step, rel)
+            try:
+                _, checksum = checksum_file(self.storage, path, progress)
+            except FileNotFoundError:
+                problems.append(f"{self.storage.url(path)}: expected a file of {entry.size} bytes, "
+                                "actual missing")
+                continue
+            if checksum != entry.checksum:
+                problems.append(f"{self.storage.url(path)}: checksum: expected {entry.checksum}, "
+                                f"actual {checksum}")
+        return problems
 
     def is_committed(self, step: int) -> bool:
         return self.check(step).committed

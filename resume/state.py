@@ -72,8 +72,11 @@ class TrainState:
         unknown = set(data) - known
         if unknown:
             raise ManifestError(f"{source}: train_state: unknown fields {sorted(unknown)}")
+        optional = {"tokens_read", "tokens_in_loss"}
         for name, value in data.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ManifestError(f"{source}: train_state.{name}: expected an integer, "
-                                    f"actual {value!r}")
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ManifestError(f"{source}: train_state.{name}: expected a non-negative "
+                                    f"integer, actual {value!r}")
         return cls(**data)
