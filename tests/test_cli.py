@@ -234,3 +234,25 @@ def test_resume_save_times_out_with_exit_4_when_no_job_runs(tmp_path):
     proc = resume("save", str(run), "--timeout", "1")
     assert_one_line_error(proc, 4, "within 1s")
     assert os.listdir(run / "control") == []  # the request was withdrawn
+
+
+def test_signal_on_one_rank_saves_on_all_ranks_at_the_same_iteration_then_stops(tmp_path):
+    run, trace = str(tmp_path / "run"), tmp_path / "trace.jsonl"
+    procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
+                         final=str(tmp_path / "f.json"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (trace.exists() and trace.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGUSR1)  # rank 1 only: the ranks must agree
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    last = json.loads(trace.read_text().splitlines()[-1])["iteration"]
+    listing = json.loads(resume("ls", run, "--json").stdout)["checkpoints"]
+    assert [(c["step"], c["committed"]) for c in listing] == [(last, True)]
+    assert resume("verify", run, "--deep").returncode == 0

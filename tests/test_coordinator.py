@@ -1,0 +1,125 @@
+"""The coordinator in one process (no process group), with real DCP and a real model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from workloads import Setup, build, train
+
+from resume import ContinuityError, Coordinator, NoValidCheckpointError, Run, UsageError
+from resume.adapters.torch_native import NativeTorchAdapter
+
+
+def trained(run: str, until: int, **setup) -> Coordinator:
+    coord, parts = build(0, 1, run, Setup(**setup))
+    coord.restore()
+    train(coord, parts, until=until)
+    coord.close()
+    return coord
+
+
+def flip_middle_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(run_dir, caplog):
+    trained(run_dir, until=6, every=3)
+    flip_middle_byte(os.path.join(run_dir, "step-000000006", "__0_0.distcp"))
+    coord, _ = build(0, 1, run_dir, Setup(every=3))
+    with caplog.at_level("WARNING", logger="resume"):
+        coord.restore()
+    assert coord.restored_from == 3
+    assert "step-000000006" in caplog.text and "checksum" in caplog.text
+
+
+def test_no_valid_checkpoint_refuses_a_silent_fresh_start(run_dir):
+    trained(run_dir, until=6, every=3)
+    for step in (3, 6):
+        os.unlink(os.path.join(run_dir, f"step-{step:09d}", "rank-00000.json"))
+    coord, _ = build(0, 1, run_dir, Setup(every=3))
+    with pytest.raises(NoValidCheckpointError, match="none valid.*allow_fresh_start"):
+        coord.restore()
+    coord.allow_fresh_start = True
+    state = coord.restore()
+    assert state.iteration == 0 and coord.restored_from is None
+
+
+def test_uncommitted_leftover_of_the_same_step_is_replaced(run_dir):
+    trained(run_dir, until=7, every=3)
+    step6 = os.path.join(run_dir, "step-000000006")
+    os.unlink(os.path.join(step6, "manifest.json"))  # a save of step 6 that never committed
+    with open(os.path.join(step6, "junk.tmp"), "w") as f:
+        f.write("half-written")
+    coord, parts = build(0, 1, run_dir, Setup(every=3))
+    coord.restore()
+    assert coord.restored_from == 3
+    train(coord, parts, until=7)
+    assert not os.path.exists(os.path.join(step6, "junk.tmp"))
+    assert Run.open(run_dir).committed_steps() == [3, 6]
+
+
+def test_update_reported_applied_without_an_optimizer_step_is_caught(run_dir):
+    coord, parts = build(0, 1, run_dir, Setup())
+    coord.restore()
+    next(iter(coord.batches()))
+    with pytest.raises(ContinuityError, match=r"optimizer\[0\]\.steps.*did not step"):
+        coord.update(applied=True)
+
+
+def test_request_save_commits_at_the_next_boundary(run_dir):
+    coord, parts = build(0, 1, run_dir, Setup(every=0))
+    coord.restore()
+    train(coord, parts, until=2)
+    coord.request_save()
+    train(coord, parts, until=3)
+    assert Run.open(run_dir).committed_steps() == [3]
+    assert not coord.should_stop
+    coord.request_save(stop=True)
+    train(coord, parts, until=10)
+    assert coord.should_stop and coord.iteration == 4
+    assert Run.open(run_dir).committed_steps() == [3, 4]
+
+
+def test_retention_keeps_the_newest_and_every_mth(run_dir):
+    coord, parts = build(0, 1, run_dir, Setup(every=1))
+    coord.keep = type(coord.keep)(keep_last=2, keep_every=4)
+    coord.restore()
+    train(coord, parts, until=9)
+    assert Run.open(run_dir).committed_steps() == [4, 8, 9]
+
+
+def test_lr_changed_between_restore_and_the_first_update_is_caught(run_dir):
+    trained(run_dir, until=3, every=3)
+    coord, parts = build(0, 1, run_dir, Setup(every=3))
+    coord.restore()
+    parts["opt"].param_groups[0]["lr"] = 0.5
+    with pytest.raises(ContinuityError, match="lr at the first update"):
+        next(iter(coord.batches()))
+
+
+def test_manifest_records_counters_and_expectation(run_dir):
+    trained(run_dir, until=3, every=3)
+    with open(os.path.join(run_dir, "step-000000003", "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["train_state"]["iteration"] == 3
+    e = manifest["expectation"]
+    assert len(e["lr_ahead"]) == 3 and e["optimizer_steps"] == [3]
+    assert e["next_batch"]["samples"] == 4 and len(e["rng"]) == 1
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "rank-00000.json"}
+
+
+def test_bad_configuration_is_a_usage_error(run_dir):
+    _, parts = build(0, 1, run_dir, Setup())
+    adapter = NativeTorchAdapter(parts["model"], parts["opt"], parts["sched"], [])
+    with pytest.raises(UsageError, match="keep: expected >= 2"):
+        Coordinator(run_dir, adapter, global_batch=4, keep=1)
+    with pytest.raises(UsageError, match="global_batch"):
+        Coordinator(run_dir, adapter, global_batch=0)
+    with pytest.raises(UsageError, match="lr_lookahead"):
+        Coordinator(run_dir, adapter, global_batch=4, lr_lookahead=1)
