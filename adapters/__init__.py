@@ -5,4 +5,4 @@ saved through torch.distributed.checkpoint. Imported lazily so that the core
 and the CLI start without importing torch.
 """
 
-__all__ = ["torch_native", "data", "dcp_safe", "jsonstate"]
+__all__ = ["data", "dcp_safe", "jsonstate", "torch_native"]

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from resume.errors import UnsafeCheckpointError
 
-__all__ = ["restricted_load_metadata", "SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner"]
+__all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "restricted_load_metadata"]
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -60,7 +60,7 @@ def restricted_load_metadata(data: bytes, *, source: str) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(data), source).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+    except Exception as e:
         raise UnsafeCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
                                     f"({type(e).__name__}: {e})") from e
     if not isinstance(metadata, Metadata):
@@ -83,7 +83,7 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     pass
 
 
-def SafeFsspecReader(path: str, **kwargs: Any):  # noqa: N802 - a class factory
+def SafeFsspecReader(path: str, **kwargs: Any):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     cls = type("SafeFsspecReader", (_SafeMetadataMixin, FsspecReader), {})

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 
 def encode(value: Any) -> Any:

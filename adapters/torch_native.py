@@ -17,7 +17,8 @@ import contextlib
 import copy
 import types
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +31,14 @@ from resume.comm import Comm, LocalComm
 from resume.storage import Storage
 
 from . import jsonstate
-from .dcp_safe import (SafeFileSystemReader, SafeFsspecReader, SafeLoadPlanner,
-                       restricted_load_metadata)
+from .dcp_safe import (
+    SafeFileSystemReader,
+    SafeFsspecReader,
+    SafeLoadPlanner,
+    restricted_load_metadata,
+)
 
-__all__ = ["TorchDistComm", "NativeTorchAdapter", "comm_for"]
+__all__ = ["NativeTorchAdapter", "TorchDistComm", "comm_for"]
 
 # Scheduler attributes that move with training; everything else in a
 # scheduler's state_dict is its configuration.

@@ -4,10 +4,21 @@ from .adapter import Adapter
 from .comm import Comm, LocalComm
 from .continuity import Expectation
 from .coordinator import Coordinator
-from .errors import (CheckpointNotFoundError, ContinuityError, CorruptCheckpointError,
-                     InvariantError, ManifestError, NoValidCheckpointError, ResumeError,
-                     RunNotFoundError, SaveFailedError, SaveTimeoutError, StorageError,
-                     UnsafeCheckpointError, UsageError)
+from .errors import (
+                     CheckpointNotFoundError,
+                     ContinuityError,
+                     CorruptCheckpointError,
+                     InvariantError,
+                     ManifestError,
+                     NoValidCheckpointError,
+                     ResumeError,
+                     RunNotFoundError,
+                     SaveFailedError,
+                     SaveTimeoutError,
+                     StorageError,
+                     UnsafeCheckpointError,
+                     UsageError,
+)
 from .manifest import Manifest
 from .rng import RngRegistry
 from .run import CheckResult, KeepPolicy, Run
@@ -17,9 +28,30 @@ from .storage import open_storage
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adapter", "CheckResult", "CheckpointNotFoundError", "Comm", "ContinuityError", "Coordinator",
-    "CorruptCheckpointError", "Expectation", "InvariantError", "KeepPolicy", "LocalComm", "Manifest",
-    "ManifestError", "NoValidCheckpointError", "ResumeError", "RngRegistry", "Run",
-    "RunNotFoundError", "SaveFailedError", "SaveTimeoutError", "StorageError", "TrainState",
-    "UnsafeCheckpointError", "UsageError", "open_storage", "__version__",
+                     "Adapter",
+                     "CheckResult",
+                     "CheckpointNotFoundError",
+                     "Comm",
+                     "ContinuityError",
+                     "Coordinator",
+                     "CorruptCheckpointError",
+                     "Expectation",
+                     "InvariantError",
+                     "KeepPolicy",
+                     "LocalComm",
+                     "Manifest",
+                     "ManifestError",
+                     "NoValidCheckpointError",
+                     "ResumeError",
+                     "RngRegistry",
+                     "Run",
+                     "RunNotFoundError",
+                     "SaveFailedError",
+                     "SaveTimeoutError",
+                     "StorageError",
+                     "TrainState",
+                     "UnsafeCheckpointError",
+                     "UsageError",
+                     "__version__",
+                     "open_storage",
 ]

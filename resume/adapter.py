@@ -30,7 +30,8 @@ Values returned for the manifest must be JSON-serialisable.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from .comm import Comm
 from .storage import Storage

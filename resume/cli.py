@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
-from .errors import (EXIT_NOTHING, EXIT_OK, EXIT_PROBLEM, CheckpointNotFoundError, ResumeError,
-                     UsageError)
+from .errors import (
+    EXIT_NOTHING,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    CheckpointNotFoundError,
+    ResumeError,
+    UsageError,
+)
 from .run import CheckResult, Run, step_dirname
 
 __all__ = ["cli", "main"]
@@ -140,7 +148,7 @@ def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
     if len(expectation.lr_ahead) < 2:
         problems.append(f"{source}: expectation.lr_ahead: expected >= 2 updates, "
                         f"actual {len(expectation.lr_ahead)}")
-    if any(lr != lr or lr < 0 for lrs in expectation.lr_ahead for lr in lrs):
+    if any(math.isnan(lr) or lr < 0 for lrs in expectation.lr_ahead for lr in lrs):
         problems.append(f"{source}: expectation.lr_ahead: expected non-negative LRs, "
                         f"actual {expectation.lr_ahead}")
     return problems

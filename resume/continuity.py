@@ -17,7 +17,7 @@ from typing import Any
 from .checksum import digest_parts
 from .errors import ContinuityError, ManifestError
 
-__all__ = ["Expectation", "merge_batch_descriptions", "compare", "RESIZE_MAY_CHANGE"]
+__all__ = ["RESIZE_MAY_CHANGE", "Expectation", "compare", "merge_batch_descriptions"]
 
 # Items a restart on another data-parallel size may legitimately change: the
 # per-rank RNG streams, and the per-rank layout of optimizer shards.
@@ -44,7 +44,7 @@ class Expectation:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str) -> "Expectation":
+    def from_dict(cls, data: Any, *, source: str) -> Expectation:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expectation: expected an object, actual {type(data).__name__}")
         known = set(cls.__dataclass_fields__)

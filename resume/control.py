@@ -12,14 +12,14 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .errors import SaveFailedError, SaveTimeoutError
 from .run import CONTROL, Run, utc_now
 from .storage import join
 
-__all__ = ["SaveRequest", "post_save_request", "pending_requests", "answer_request", "wait_for_answer"]
+__all__ = ["SaveRequest", "answer_request", "pending_requests", "post_save_request", "wait_for_answer"]
 
 REQUEST_SUFFIX = ".request"
 RESULT_SUFFIX = ".result"

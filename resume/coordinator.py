@@ -21,16 +21,23 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from . import errors as _errors
 from .adapter import Adapter
 from .checksum import checksum_bytes, checksum_file
 from .continuity import Expectation, compare, compare_config, merge_batch_descriptions
 from .control import SaveRequest, answer_request, pending_requests
-from .errors import (ContinuityError, InvariantError, NoValidCheckpointError, ResumeError,
-                     SaveFailedError, UsageError)
+from .errors import (
+    ContinuityError,
+    InvariantError,
+    NoValidCheckpointError,
+    ResumeError,
+    SaveFailedError,
+    UsageError,
+)
 from .manifest import FileEntry, Manifest
 from .rng import RngRegistry
 from .run import KeepPolicy, Run, step_dirname
@@ -416,7 +423,7 @@ class Coordinator:
             for rel in self.adapter.save_shards(storage, step_dir):
                 files[rel] = checksum_file(storage, join(step_dir, rel))
             return {"ok": True, "files": files, "expectation": expectation.to_dict()}
-        except Exception as e:  # noqa: BLE001 - reported to every rank, raised there
+        except Exception as e:
             log.exception("resume: rank %d failed writing %s", self.rank, step_dir)
             return {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}"}
 

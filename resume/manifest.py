@@ -70,7 +70,7 @@ class Manifest:
         return sum(e.size for e in self.files.values())
 
     @classmethod
-    def from_json(cls, text: bytes | str, *, source: str) -> "Manifest":
+    def from_json(cls, text: bytes | str, *, source: str) -> Manifest:
         """Parse and validate; ManifestError names the file and the field."""
         try:
             body = json.loads(text, parse_constant=_reject_constant)

@@ -20,16 +20,21 @@ import datetime as _dt
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from .checksum import checksum_file
-from .errors import (CheckpointNotFoundError, ManifestError, NoValidCheckpointError,
-                     RunNotFoundError, UsageError)
+from .errors import (
+    CheckpointNotFoundError,
+    ManifestError,
+    NoValidCheckpointError,
+    RunNotFoundError,
+    UsageError,
+)
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, join, open_storage
 
-__all__ = ["Run", "CheckResult", "KeepPolicy", "step_dirname", "parse_step_dirname"]
+__all__ = ["CheckResult", "KeepPolicy", "Run", "parse_step_dirname", "step_dirname"]
 
 log = logging.getLogger("resume")
 
@@ -49,7 +54,7 @@ def parse_step_dirname(name: str) -> int | None:
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 @dataclass
@@ -115,7 +120,7 @@ class Run:
         return self.storage.root
 
     @classmethod
-    def open(cls, url: str, *, create: bool = False) -> "Run":
+    def open(cls, url: str, *, create: bool = False) -> Run:
         """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false."""
         storage = open_storage(url)
         if create:

@@ -62,7 +62,7 @@ class TrainState:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: object, *, source: str = "manifest") -> "TrainState":
+    def from_dict(cls, data: object, *, source: str = "manifest") -> TrainState:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: train_state: expected an object, actual {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}

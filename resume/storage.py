@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import IO, Callable, Protocol
+from collections.abc import Callable
+from typing import IO, Protocol
 
 import tenacity
 
 from .errors import StorageError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "join"]
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "join", "open_storage"]
 
 CHUNK = 8 << 20
 
@@ -49,8 +50,7 @@ class LocalStorage:
     """A local or parallel file system (POSIX semantics)."""
 
     def __init__(self, root: str) -> None:
-        if root.startswith("file://"):
-            root = root[len("file://") :]
+        root = root.removeprefix("file://")
         self.root = os.path.abspath(root)
 
     def url(self, path: str) -> str:
@@ -148,13 +148,12 @@ class FsspecStorage:
             fs, _ = fsspec.core.url_to_fs(root)
         self.fs = fs
         self.root = root.rstrip("/")
-        self._protocol_prefix = root.split("://", 1)[0] + "://" if "://" in root else ""
-        retry_kwargs = dict(
-            retry=tenacity.retry_if_exception(is_transient),
-            stop=tenacity.stop_after_attempt(attempts),
-            wait=tenacity.wait_exponential(multiplier=0.2, max=max_wait),
-            reraise=True,
-        )
+        retry_kwargs: dict = {
+            "retry": tenacity.retry_if_exception(is_transient),
+            "stop": tenacity.stop_after_attempt(attempts),
+            "wait": tenacity.wait_exponential(multiplier=0.2, max=max_wait),
+            "reraise": True,
+        }
         if sleep is not None:
             retry_kwargs["sleep"] = sleep
         self._retrying = tenacity.Retrying(**retry_kwargs)
@@ -164,7 +163,7 @@ class FsspecStorage:
             return self._retrying(fn, *args, **kwargs)
         except _PERMANENT:
             raise
-        except Exception as e:  # noqa: BLE001 - re-raised with context
+        except Exception as e:
             raise StorageError(f"{self.root}: storage operation {fn.__name__} failed after "
                                f"retries: {type(e).__name__}: {e}") from e
 

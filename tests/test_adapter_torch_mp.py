@@ -13,11 +13,11 @@ import pickle
 import pytest
 import torch
 from multiproc import run_ranks
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.torch_native import NativeTorchAdapter
 from workloads import CFG, Setup, build, moment_digests, param_digests, train
 
 from resume import Coordinator, UnsafeCheckpointError
-from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import SyntheticTokens, TinyGPT, warmup_cosine
 from resume.drill.worker import tensor_digest
 
@@ -209,10 +209,10 @@ def test_sampler_stream_is_the_same_for_any_data_parallel_size():
     def stream(world: int, batches: int) -> list[list[int]]:
         samplers = [iter(GlobalPositionSampler(10, 4, rank=r, world_size=world, seed=3))
                     for r in range(world)]
-        return [sum((next(s) for s in samplers), []) for _ in range(batches)]
+        return [[i for s in samplers for i in next(s)] for _ in range(batches)]
 
     assert stream(1, 6) == stream(2, 6) == stream(4, 6)
-    flat = sum(stream(1, 5), [])
+    flat = [i for batch in stream(1, 5) for i in batch]
     assert sorted(flat[:10]) == list(range(10))  # each epoch a permutation
 
 

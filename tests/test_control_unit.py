@@ -10,8 +10,15 @@ import json
 
 import pytest
 
-from resume.control import (REQUEST_SUFFIX, RESULT_SUFFIX, SaveRequest, answer_request,
-                            pending_requests, post_save_request, wait_for_answer)
+from resume.control import (
+    REQUEST_SUFFIX,
+    RESULT_SUFFIX,
+    SaveRequest,
+    answer_request,
+    pending_requests,
+    post_save_request,
+    wait_for_answer,
+)
 from resume.errors import SaveFailedError, SaveTimeoutError
 from resume.run import CONTROL, Run
 from resume.storage import join

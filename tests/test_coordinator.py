@@ -6,10 +6,10 @@ import json
 import os
 
 import pytest
+from resume.adapters.torch_native import NativeTorchAdapter
 from workloads import Setup, build, train
 
 from resume import ContinuityError, Coordinator, NoValidCheckpointError, Run, UsageError
-from resume.adapters.torch_native import NativeTorchAdapter
 
 
 def trained(run: str, until: int, **setup) -> Coordinator:
@@ -65,7 +65,7 @@ def test_uncommitted_leftover_of_the_same_step_is_replaced(run_dir):
 
 
 def test_update_reported_applied_without_an_optimizer_step_is_caught(run_dir):
-    coord, parts = build(0, 1, run_dir, Setup())
+    coord, _ = build(0, 1, run_dir, Setup())
     coord.restore()
     next(iter(coord.batches()))
     with pytest.raises(ContinuityError, match=r"optimizer\[0\]\.steps.*did not step"):

@@ -12,10 +12,15 @@ import json
 import pytest
 
 from resume.checksum import checksum_bytes
-from resume.errors import (CheckpointNotFoundError, ManifestError, NoValidCheckpointError,
-                           RunNotFoundError, UsageError)
+from resume.errors import (
+    CheckpointNotFoundError,
+    ManifestError,
+    NoValidCheckpointError,
+    RunNotFoundError,
+    UsageError,
+)
 from resume.manifest import SCHEMA, SCHEMA_VERSION, FileEntry, Manifest, check_relative_path
-from resume.run import (LATEST, KeepPolicy, Run, parse_step_dirname, step_dirname)
+from resume.run import LATEST, KeepPolicy, Run, parse_step_dirname, step_dirname
 from resume.state import TrainState
 from resume.storage import LocalStorage
 

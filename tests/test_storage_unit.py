@@ -218,7 +218,7 @@ def test_fsspec_retries_transient_errors_then_succeeds(exc):
 
 
 def test_fsspec_backoff_grows_and_is_capped():
-    storage, fs, sleeps = flaky_storage({"cat_file": (6, ConnectionError("flaky"))},
+    storage, _, sleeps = flaky_storage({"cat_file": (6, ConnectionError("flaky"))},
                                         attempts=7, max_wait=0.5)
     storage.write_bytes_atomic("f", b"x")
     assert storage.read_bytes("f") == b"x"

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.torch_native import NativeTorchAdapter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import ContinuityError, Coordinator, ResumeError
-from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 
 CFG = GPTConfig(vocab=32, seq_len=8, width=16, layers=1, heads=2)
@@ -81,7 +81,7 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
 def train(coord: Coordinator, parts: dict, until: int, *, skip: set[int] = frozenset(),
           step_scheduler_on_skip: bool = False) -> list[dict]:
     trace = []
-    model, ddp, opt, sched = parts["model"], parts["ddp"], parts["opt"], parts["sched"]
+    ddp, opt, sched = parts["ddp"], parts["opt"], parts["sched"]
     for batch in coord.batches():
         iteration = coord.iteration + 1
         tokens = batch["tokens"]

@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["GPTConfig", "TinyGPT", "SyntheticTokens", "warmup_cosine"]
+__all__ = ["GPTConfig", "SyntheticTokens", "TinyGPT", "warmup_cosine"]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from resume.errors import UsageError
 
@@ -103,8 +103,8 @@ def _launch(cfg: DrillConfig, *, run: str, every: int, trace: str, final: str, k
                str(cfg.iterations), "--every", str(every), "--seed", str(cfg.seed),
                "--skip", ",".join(map(str, skipped_iterations(cfg))), "--kill-at", str(kill_at),
                "--trace", trace, "--final", final]
-        log = open(os.path.join(logs, f"{tag}-rank{rank}.log"), "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(os.path.join(logs, f"{tag}-rank{rank}.log"), "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + cfg.timeout_s
     try:
         rc0 = procs[0].wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -63,7 +63,6 @@ def train(args: argparse.Namespace) -> None:
     model, ddp, optimizer, scheduler, coord = build(args, rank, world)
     coord.restore()
     skip = {int(s) for s in args.skip.split(",") if s}
-    trace = open(args.trace, "a") if rank == 0 else None
     for batch in coord.batches():
         iteration = coord.iteration + 1
         if rank == 0 and iteration == args.kill_at:
@@ -83,10 +82,11 @@ def train(args: argparse.Namespace) -> None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         coord.update(applied=applied)
-        if trace is not None:
-            trace.write(json.dumps({"iteration": iteration, "loss": loss.item(), "lr": lr,
-                                    "applied": applied, "restored_from": coord.restored_from}) + "\n")
-            trace.flush()
+        if rank == 0:
+            with open(args.trace, "a") as trace:
+                trace.write(json.dumps({"iteration": iteration, "loss": loss.item(), "lr": lr,
+                                        "applied": applied,
+                                        "restored_from": coord.restored_from}) + "\n")
         if coord.iteration >= args.iterations or coord.should_stop:
             break
     if rank == 0:
