@@ -69,10 +69,12 @@ class TorchDistComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def any_true(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    def max_flags(self, flags: list[int]) -> list[int]:
+        # On the device NCCL needs; gloo and others take CPU tensors.
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return [int(x) for x in t.tolist()]
 
 
 def comm_for(group: Any = None) -> Comm:

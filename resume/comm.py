@@ -19,8 +19,8 @@ class Comm(Protocol):
     def barrier(self) -> None: ...
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
-    def any_true(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any rank (one small all-reduce)."""
+    def max_flags(self, flags: list[int]) -> list[int]:
+        """Element-wise maximum of small integer flags over all ranks (one small all-reduce)."""
         ...
 
 
@@ -37,5 +37,5 @@ class LocalComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
-    def any_true(self, flag: bool) -> bool:
-        return bool(flag)
+    def max_flags(self, flags: list[int]) -> list[int]:
+        return [int(f) for f in flags]

@@ -32,7 +32,6 @@ from .continuity import Expectation, compare, compare_config, merge_batch_descri
 from .control import SaveRequest, answer_request, pending_requests
 from .errors import (
     ContinuityError,
-    InvariantError,
     NoValidCheckpointError,
     ResumeError,
     SaveFailedError,
@@ -42,7 +41,7 @@ from .manifest import FileEntry, Manifest
 from .rng import RngRegistry
 from .run import KeepPolicy, Run, step_dirname
 from .state import TrainState
-from .storage import join
+from .storage import join, open_storage
 
 __all__ = ["Coordinator"]
 
@@ -138,11 +137,10 @@ class Coordinator:
         self._first_after_restore: Expectation | None = None
         self._previous_handlers: dict[int, Any] = {}
 
-        if self.rank == 0:
-            self.run = Run.open(run_url, create=True)
+        # Rank 0 creates the run; the others never list or probe storage
+        # (5,120 ranks must not hammer an object store).
+        self.run = Run.open(run_url, create=True) if self.rank == 0 else Run(open_storage(run_url))
         self.comm.barrier()
-        if self.rank != 0:
-            self.run = Run.open(run_url)
         if handle_signals:
             self._install_signal_handlers()
 
@@ -207,13 +205,16 @@ class Coordinator:
             return step
         self.comm.barrier()
 
-        report = self._write_rank_part(step, step_dir)
-        reports = self.comm.all_gather_object(report)
-        failures = [r["error"] for r in reports if not r["ok"]]
-        if failures:
-            raise SaveFailedError(f"{self.run.storage.url(step_dir)}: save of step {step} failed, "
-                                  f"nothing committed: {'; '.join(failures)}")
-        self._on_rank0(lambda: self._commit(step, reports))
+        # Phase 1, local, no collectives: what this rank contributes. A failure
+        # here must not leave the other ranks waiting in a collective.
+        staged = self._guarded(lambda: self._stage_rank_part(step_dir))
+        gathered = self._agree(self.comm.all_gather_object(staged), step_dir)
+        expectation = self._assemble_expectation([g["part"] for g in gathered])
+        # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
+        report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
+        reports = self._agree(self.comm.all_gather_object(report), step_dir)
+        # Phase 3, rank 0: the manifest, last and atomically, then retention.
+        self._on_rank0(lambda: self._commit(step, reports, expectation))
         self.last_committed_step = step
         return step
 
@@ -287,7 +288,15 @@ class Coordinator:
         own = rank_state_name(self.rank if self.rank < saved_world else 0)
         if own not in manifest.files:
             raise _errors.ManifestError(f"{source}: files: expected an entry for {own}, actual missing")
-        rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
+        rank_state_url = self.run.storage.url(join(step_dir, own))
+        try:
+            rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
+        except ValueError as e:
+            raise _errors.ManifestError(f"{rank_state_url}: expected JSON, actual {e}") from e
+        missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
+        if missing:
+            raise _errors.ManifestError(f"{rank_state_url}: expected fields rng, data, adapter, "
+                                        f"actual missing {sorted(missing)}")
         self.adapter.load_state_dict(rank_state["adapter"])
         self.adapter.load_data_state(rank_state["data"])
         self.rng.restore(rank_state["rng"])
@@ -324,23 +333,35 @@ class Coordinator:
             self._lookahead = _Lookahead(batch, rng_state, data_state)
         return self._lookahead
 
-    def _expectation_now(self, *, schedule: list[dict] | None = None) -> Expectation:
+    def _local_expectation_part(self, schedule: list[dict] | None = None) -> dict:
+        """This rank's share of the Expectation (no collectives)."""
         ahead = self._ensure_lookahead()
-        local = {
+        return {
             "batch": [] if ahead.batch is _END else self.adapter.describe_batch(ahead.batch),
             "rng": RngRegistry.digest(ahead.rng_state),
             "optimizer": self.adapter.optimizer_fingerprint(),
+            "lr_ahead": self.adapter.lr_ahead(self.lr_lookahead),
+            "schedule": self.adapter.describe_schedule() if schedule is None else schedule,
+            "optimizer_steps": self.adapter.optimizer_steps(),
         }
-        gathered = self.comm.all_gather_object(local)
+
+    def _assemble_expectation(self, parts: list[dict]) -> Expectation:
+        # LR, schedule and step counts are the same on every rank; rank 0's stand.
         return Expectation(
-            next_batch=merge_batch_descriptions([g["batch"] for g in gathered]),
-            lr_ahead=self.adapter.lr_ahead(self.lr_lookahead),
-            schedule=self.adapter.describe_schedule() if schedule is None else schedule,
-            optimizer_steps=self.adapter.optimizer_steps(),
-            optimizer=[g["optimizer"] for g in gathered],
-            rng=[g["rng"] for g in gathered],
+            next_batch=merge_batch_descriptions([p["batch"] for p in parts]),
+            lr_ahead=parts[0]["lr_ahead"],
+            schedule=parts[0]["schedule"],
+            optimizer_steps=parts[0]["optimizer_steps"],
+            optimizer=[p["optimizer"] for p in parts],
+            rng=[p["rng"] for p in parts],
             world_size=self.comm.world_size,
         )
+
+    def _expectation_now(self, *, schedule: list[dict] | None = None) -> Expectation:
+        """Collective: the Expectation recomputed from the live objects."""
+        staged = self._guarded(lambda: {"part": self._local_expectation_part(schedule)})
+        gathered = self._agree(self.comm.all_gather_object(staged), "continuity check")
+        return self._assemble_expectation([g["part"] for g in gathered])
 
     def _check_counters(self, *, applied: bool, where: str) -> None:
         successful = self.state.updates_successful
@@ -372,15 +393,16 @@ class Coordinator:
         if self.rank == 0 and self.clock() - self._last_poll >= self.control_poll_s:
             self._last_poll = self.clock()
             requests = pending_requests(self.run)
-        local = (self._save_requested, self._stop_requested or self._signal is not None,
-                 [(r.request_id, r.stop) for r in requests])
-        # One small collective per iteration: every rank learns every flag, so
-        # all ranks save the same iteration.
-        votes = self.comm.all_gather_object(local)
-        requests = [SaveRequest(rid, stop) for vote in votes for rid, stop in vote[2]]
-        stop = any(v[1] for v in votes) or any(r.stop for r in requests)
+        # One small all-reduce per iteration: every rank learns every flag, so
+        # all ranks save the same iteration. The requests themselves travel
+        # only when there are some.
+        wants_save, wants_stop, has_requests = self.comm.max_flags([
+            self._save_requested, self._stop_requested or self._signal is not None, bool(requests)])
+        if has_requests:
+            requests = self.comm.broadcast_object(requests, src=0)
+        stop = bool(wants_stop) or any(r.stop for r in requests)
         due = self.every > 0 and self.state.iteration % self.every == 0
-        save = due or stop or bool(requests) or any(v[0] for v in votes)
+        save = due or stop or bool(requests) or bool(wants_save)
         self._save_requested = False
         if not save:
             return False
@@ -408,32 +430,54 @@ class Coordinator:
         self.run.storage.makedirs(step_dirname(step))
         return False
 
-    def _write_rank_part(self, step: int, step_dir: str) -> dict:
-        storage = self.run.storage
-        try:
-            self.state.check_invariants(global_batch=self.global_batch)
-            expectation = self._expectation_now()
-            ahead = self._ensure_lookahead()
-            rank_state = {"rng": ahead.rng_state, "data": ahead.data_state,
-                          "adapter": self.adapter.state_dict()}
-            body = json.dumps(rank_state, allow_nan=False).encode()
-            name = rank_state_name(self.rank)
-            storage.write_bytes_atomic(join(step_dir, name), body)
-            files = {name: (len(body), checksum_bytes(body))}
-            for rel in self.adapter.save_shards(storage, step_dir):
-                files[rel] = checksum_file(storage, join(step_dir, rel))
-            return {"ok": True, "files": files, "expectation": expectation.to_dict()}
-        except Exception as e:
-            log.exception("resume: rank %d failed writing %s", self.rank, step_dir)
-            return {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+    def _stage_rank_part(self, step_dir: str) -> dict:
+        """Phase 1 of a save on this rank: expectation share and the small JSON state file."""
+        self.state.check_invariants(global_batch=self.global_batch)
+        part = self._local_expectation_part()
+        ahead = self._ensure_lookahead()
+        rank_state = {"rng": ahead.rng_state, "data": ahead.data_state,
+                      "adapter": self.adapter.state_dict()}
+        body = json.dumps(rank_state, allow_nan=False).encode()
+        name = rank_state_name(self.rank)
+        self.run.storage.write_bytes_atomic(join(step_dir, name), body)
+        return {"part": part, "files": {name: (len(body), checksum_bytes(body))}}
 
-    def _commit(self, step: int, reports: list[dict]) -> None:
+    def _write_shards(self, step_dir: str, files: dict) -> dict:
+        """Phase 2 (collective): the adapter's shards, and this rank's file records."""
+        files = dict(files)
+        for rel in self.adapter.save_shards(self.run.storage, step_dir):
+            files[rel] = checksum_file(self.run.storage, join(step_dir, rel))
+        return {"files": files}
+
+    def _guarded(self, fn: Callable[[], dict]) -> dict:
+        """Run a local phase; an error becomes a report every rank will see."""
+        try:
+            return {"ok": True, **fn()}
+        except Exception as e:
+            log.exception("resume: rank %d failed", self.rank)
+            return {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}",
+                    "kind": type(e).__name__, "message": str(e)}
+
+    def _agree(self, reports: list[dict], what: str) -> list[dict]:
+        """Raise the same error on every rank if any rank failed."""
+        failures = [r for r in reports if not r["ok"]]
+        if not failures:
+            return reports
+        first = failures[0]
+        if first["kind"] == "ContinuityError" or len(failures) == len(reports) and all(
+                f["message"] == first["message"] for f in failures):
+            # The same error everywhere (a continuity or invariant check): raise it as such.
+            raise _rebuild_error(first["kind"], first["message"])
+        raise SaveFailedError(f"{self.run.storage.url(what) if what.startswith('step-') else what}: "
+                              f"failed, nothing committed: {'; '.join(f['error'] for f in failures)}")
+
+    def _commit(self, step: int, reports: list[dict], expectation: Expectation) -> None:
         files: dict[str, FileEntry] = {}
         for report in reports:
             for rel, (size, checksum) in report["files"].items():
                 files[rel] = FileEntry(size, checksum)
         manifest = Manifest(step=step, train_state=TrainState.from_dict(self.state.to_dict()),
-                            files=files, expectation=reports[0]["expectation"],
+                            files=files, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.config,
                             adapter=self.adapter.name)
         self.run.write_manifest(manifest)
@@ -452,14 +496,18 @@ class Coordinator:
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only; every rank gets its result or raises its error."""
         outcome: Any = None
+        error: BaseException | None = None
         if self.rank == 0:
             try:
                 outcome = ("ok", fn())
-            except ResumeError as e:
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+                error = e
                 outcome = ("error", type(e).__name__, str(e))
         outcome = self.comm.broadcast_object(outcome, src=0)
         if outcome[0] == "ok":
             return outcome[1]
+        if error is not None:
+            raise error
         raise _rebuild_error(outcome[1], outcome[2])
 
     def _install_signal_handlers(self) -> None:
@@ -474,11 +522,16 @@ class Coordinator:
 
 
 def _rebuild_error(name: str, message: str) -> ResumeError:
+    """The error another rank raised, raised here too (same class when it is one of ours)."""
     cls = getattr(_errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, ResumeError)) or cls is ContinuityError:
-        cls = InvariantError if cls is ContinuityError else ResumeError
+    if not (isinstance(cls, type) and issubclass(cls, ResumeError)):
+        cls = SaveFailedError
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
+    if cls is ContinuityError:  # keep .item for callers; the message already says it all
+        exc.item = message.split(": ", 2)[1] if message.count(": ") >= 2 else ""
+        exc.expected = exc.actual = None
+        exc.hint = ""
     return exc
 
 

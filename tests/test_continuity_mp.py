@@ -140,3 +140,36 @@ def test_setup_defaults_are_what_phase_one_used():
     for name, setup in SCENARIOS.items():
         diff = {k for k, v in dataclasses.asdict(setup).items() if base[k] != v}
         assert len(diff) <= 1, (name, diff)
+
+
+def failing_save_on_rank_1(rank: int, world: int, tmp: str) -> dict:
+    from workloads import NativeTorchAdapter
+
+    class FailsOnRank1(NativeTorchAdapter):
+        def state_dict(self):
+            if self.comm.rank == 1:
+                raise OSError(28, "No space left on device")
+            return super().state_dict()
+
+    coord, parts = build(rank, world, f"{tmp}/run", Setup(every=2))
+    coord.adapter.__class__ = FailsOnRank1
+    coord.restore()
+    try:
+        train(coord, parts, until=2)
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    else:
+        outcome = "no error"
+    finally:
+        coord.close()
+    from resume import Run
+
+    run = Run.open(f"{tmp}/run")
+    return {"outcome": outcome, "committed": run.committed_steps(), "dirs": run.step_dirs()}
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_commits_nothing(tmp_path):
+    for out in run_ranks(failing_save_on_rank_1, 2, str(tmp_path)):
+        assert out["outcome"].startswith("SaveFailedError: ")
+        assert "rank 1: OSError" in out["outcome"] and "No space left" in out["outcome"]
+        assert out["committed"] == [] and out["dirs"] == [2]
