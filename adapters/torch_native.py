@@ -17,6 +17,7 @@ import contextlib
 import copy
 import types
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -104,9 +105,14 @@ class NativeTorchAdapter(Adapter):
             opt.register_step_post_hook(self._make_step_counter(i))
 
     def _make_step_counter(self, index: int):
+        # A weak reference: the optimizer must not keep the adapter (and with it
+        # the model and process group users) alive in a reference cycle.
+        adapter = weakref.ref(self)
+
         def hook(optimizer, args, kwargs) -> None:
-            if not self._internal_step:
-                self._steps[index] += 1
+            me = adapter()
+            if me is not None and not me._internal_step:
+                me._steps[index] += 1
         return hook
 
     # -- data ---------------------------------------------------------------------------

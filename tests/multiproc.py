@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -18,6 +19,10 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple, out_dir: str) -> 
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
             json.dump(result, f)
+        del result
+        # DDP/FSDP objects caught in reference cycles (optimizer hooks) must
+        # die before the process group does, or gloo can abort at exit.
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -10,6 +10,7 @@ parameters, moments, counters and LRs to ``--final``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     try:
         train(args)
+        # DDP objects kept alive by reference cycles (optimizer hooks) must go
+        # before the process group, or gloo can abort at interpreter exit.
+        gc.collect()
     finally:
         dist.destroy_process_group()
     return 0
