@@ -123,3 +123,18 @@ def test_bad_configuration_is_a_usage_error(run_dir):
         Coordinator(run_dir, adapter, global_batch=0)
     with pytest.raises(UsageError, match="lr_lookahead"):
         Coordinator(run_dir, adapter, global_batch=4, lr_lookahead=1)
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_fsspec_run_url_saves_and_restores_through_the_fsspec_path(tmp_path, scheme):
+    run = f"local://{tmp_path}/run" if scheme == "local" else f"memory://resume-test-{os.getpid()}/run"
+    coord = trained(run, until=5, every=2)
+    assert type(coord.run.storage).__name__ == "FsspecStorage"
+    assert coord.run.committed_steps() == [2, 4]
+    assert coord.run.check(4, deep=True).committed
+    coord2, parts = build(0, 1, run, Setup(every=2))
+    coord2.restore()
+    assert coord2.restored_from == 4
+    train(coord2, parts, until=6)
+    coord2.close()
+    assert coord2.run.committed_steps() == [2, 4, 6]
