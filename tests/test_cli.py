@@ -194,6 +194,14 @@ def start_worker(run: str, *, iterations: int, every: int, trace: str, final: st
     return procs
 
 
+def wait_until_training(trace, procs, iterations: int = 3, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (trace.exists() and trace.read_text().count("\n") >= iterations):
+        assert time.monotonic() < deadline, "training did not start"
+        assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+        time.sleep(0.2)
+
+
 def launch_worker(run: str, **kwargs) -> list[int]:
     procs = start_worker(run, **kwargs)
     return [p.wait(timeout=240) for p in procs]
@@ -204,11 +212,7 @@ def test_resume_save_commits_at_the_next_boundary_of_a_running_job(tmp_path):
     procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
                          final=str(tmp_path / "f.json"))
     try:
-        deadline = time.monotonic() + 120
-        while not (trace.exists() and trace.read_text().count("\n") >= 3):
-            assert time.monotonic() < deadline, "training did not start"
-            assert all(p.poll() is None for p in procs), procs[0].stderr.read()
-            time.sleep(0.2)
+        wait_until_training(trace, procs)
         proc = resume("save", run, "--timeout", "120", "--json", timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         answer = json.loads(proc.stdout)
@@ -241,10 +245,7 @@ def test_signal_on_one_rank_saves_on_all_ranks_at_the_same_iteration_then_stops(
     procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
                          final=str(tmp_path / "f.json"))
     try:
-        deadline = time.monotonic() + 120
-        while not (trace.exists() and trace.read_text().count("\n") >= 3):
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        wait_until_training(trace, procs)
         procs[1].send_signal(signal.SIGUSR1)  # rank 1 only: the ranks must agree
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
     finally:
