@@ -114,8 +114,10 @@ class Coordinator:
         self.global_batch = global_batch
         self.every = every
         self.keep = KeepPolicy(keep_last=keep, keep_every=keep_every)
-        self.config = {"global_batch": global_batch, "seq_len": seq_len, **(config or {})}
-        _check_json(self.config, "config")
+        # Kept as JSON gives it back, so that tuples, int keys and the like
+        # compare equal to what a manifest holds.
+        self.config = _as_json({"global_batch": global_batch, "seq_len": seq_len, **(config or {})},
+                               "config")
         self.lr_lookahead = lr_lookahead
         self.allow_fresh_start = allow_fresh_start
         self.verify_on_restore = verify_on_restore
@@ -139,8 +141,8 @@ class Coordinator:
 
         # Rank 0 creates the run; the others never list or probe storage
         # (5,120 ranks must not hammer an object store).
-        self.run = Run.open(run_url, create=True) if self.rank == 0 else Run(open_storage(run_url))
-        self.comm.barrier()
+        self.run = Run(open_storage(run_url))
+        self._on_rank0(self.run.ensure_exists)
         if handle_signals:
             self._install_signal_handlers()
 
@@ -176,6 +178,7 @@ class Coordinator:
             else:
                 batch = next(self._data_iterator(), _END)
             if batch is _END:
+                self._iterator = None  # the next batches() starts the next pass
                 return
             if self._first_after_restore is not None:
                 self._check_lr_now(self._first_after_restore.lr_ahead[0], "lr at the first update")
@@ -234,37 +237,57 @@ class Coordinator:
         checkpoint is passed over for the previous one.
         """
         candidates = self._on_rank0(self._list_candidates)
-        rejected: list[str] = []
-        for step, text, reason in candidates:
+        broken: list[tuple[int, str]] = []  # a manifest exists, but the checkpoint is damaged
+        torn: list[tuple[int, str]] = []    # no manifest: a save that never finished
+        chosen: Manifest | None = None
+        for step, text, reason, has_manifest in candidates:
             if text is None:
-                rejected.append(f"{step_dirname(step)}: {reason}")
+                (broken if has_manifest else torn).append((step, reason))
                 continue
             manifest = Manifest.from_json(text, source=self.run.storage.url(step_dirname(step)))
             if self.verify_on_restore:
-                share = sorted(manifest.files)[self.rank::self.comm.world_size]
-                problems = self.run.verify_checksums(manifest, share)
-                problems = [p for rank_problems in self.comm.all_gather_object(problems)
-                            for p in rank_problems]
+                problems = self._verify_share(manifest)
                 if problems:
-                    rejected.append(f"{step_dirname(step)}: {'; '.join(problems)}")
+                    broken.append((step, "; ".join(problems)))
                     continue
-            if rejected and self.rank == 0:
-                for why in rejected:
-                    log.warning("resume: passing over %s", why)
-            return manifest
-        if rejected and not self.allow_fresh_start:
+            chosen = manifest
+            break
+        if self.rank == 0:
+            for step, why in torn + broken:
+                log.warning("resume: passing over %s: %s", step_dirname(step), why)
+        if chosen is None and broken and not self.allow_fresh_start:
             raise NoValidCheckpointError(
-                f"{self.run.url}: expected a committed checkpoint among {len(rejected)} step "
-                f"directories, actual none valid ({'; '.join(rejected[:3])}); refusing to start "
-                "from scratch (allow_fresh_start=True to override)")
-        return None
+                f"{self.run.url}: expected a committed checkpoint among {len(candidates)} step "
+                f"directories, actual none valid ("
+                f"{'; '.join(f'{step_dirname(s)}: {w}' for s, w in broken[:3])}); refusing to "
+                "start from scratch (allow_fresh_start=True to override)")
+        if broken:
+            # Out of the way of retention and of the next save of the same
+            # step, kept for the operator: nothing a user saved is deleted.
+            self._on_rank0(lambda: self._quarantine(broken))
+        return chosen
 
-    def _list_candidates(self) -> list[tuple[int, str | None, str]]:
+    def _quarantine(self, broken: list[tuple[int, str]]) -> None:
+        for step, why in broken:
+            try:
+                self.run.quarantine_step(step, why)
+            except OSError as e:  # left in place: discovery passes over it again next time
+                log.error("resume: cannot move broken %s aside: %s", step_dirname(step), e)
+
+    def _verify_share(self, manifest: Manifest) -> list[str]:
+        """Collective: every rank checksums its share of the files; all problems, on every rank."""
+        share = sorted(manifest.files)[self.rank::self.comm.world_size]
+        staged = self._guarded(lambda: {"problems": self.run.verify_checksums(manifest, share)})
+        gathered = self._agree(self.comm.all_gather_object(staged), "checksum verification")
+        return [p for g in gathered for p in g["problems"]]
+
+    def _list_candidates(self) -> list[tuple[int, str | None, str, bool]]:
         """Rank 0: every step directory, newest first, with its manifest if it passes the check."""
         out = []
         for step in reversed(self.run.step_dirs()):
             result = self.run.check(step)
-            out.append((step, result.manifest.to_json() if result.committed else None, result.reason))
+            out.append((step, result.manifest.to_json() if result.committed else None, result.reason,
+                        result.has_manifest))
         return out
 
     def _start_fresh(self) -> None:
@@ -283,20 +306,12 @@ class Coordinator:
         compare_config(manifest.config, self.config)
         declared_schedule = self.adapter.describe_schedule()
 
-        self.adapter.load_shards(self.run.storage, step_dir)
         saved_world = int(manifest.topology.get("world_size", 1))
-        own = rank_state_name(self.rank if self.rank < saved_world else 0)
-        if own not in manifest.files:
-            raise _errors.ManifestError(f"{source}: files: expected an entry for {own}, actual missing")
-        rank_state_url = self.run.storage.url(join(step_dir, own))
-        try:
-            rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
-        except ValueError as e:
-            raise _errors.ManifestError(f"{rank_state_url}: expected JSON, actual {e}") from e
-        missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
-        if missing:
-            raise _errors.ManifestError(f"{rank_state_url}: expected fields rng, data, adapter, "
-                                        f"actual missing {sorted(missing)}")
+        # Local reads first, agreed on by all ranks, so that a bad file on one
+        # rank fails every rank instead of leaving them in a collective.
+        staged = self._guarded(lambda: {"state": self._read_rank_state(manifest, saved_world)})
+        rank_state = self._agree(self.comm.all_gather_object(staged), step_dir)[self.rank]["state"]
+        self.adapter.load_shards(self.run.storage, step_dir)
         self.adapter.load_state_dict(rank_state["adapter"])
         self.adapter.load_data_state(rank_state["data"])
         self.rng.restore(rank_state["rng"])
@@ -315,6 +330,23 @@ class Coordinator:
                  step_dir, self.state.iteration, self.state.updates_successful,
                  self.state.updates_skipped)
 
+    def _read_rank_state(self, manifest: Manifest, saved_world: int) -> dict:
+        step_dir = step_dirname(manifest.step)
+        own = rank_state_name(self.rank if self.rank < saved_world else 0)
+        if own not in manifest.files:
+            raise _errors.ManifestError(f"{self.run.storage.url(join(step_dir, 'manifest.json'))}: "
+                                        f"files: expected an entry for {own}, actual missing")
+        url = self.run.storage.url(join(step_dir, own))
+        try:
+            rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
+        except ValueError as e:
+            raise _errors.ManifestError(f"{url}: expected JSON, actual {e}") from e
+        missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
+        if missing:
+            raise _errors.ManifestError(f"{url}: expected fields rng, data, adapter, "
+                                        f"actual missing {sorted(missing)}")
+        return rank_state
+
     # -- continuity ---------------------------------------------------------------------------
 
     def _data_iterator(self) -> Iterator[Any]:
@@ -330,6 +362,8 @@ class Coordinator:
             rng_state = self.rng.capture()
             data_state = self.adapter.data_state()
             batch = next(self._data_iterator(), _END)
+            if batch is _END:
+                self._iterator = None
             self._lookahead = _Lookahead(batch, rng_state, data_state)
         return self._lookahead
 
@@ -392,7 +426,10 @@ class Coordinator:
         requests: list[SaveRequest] = []
         if self.rank == 0 and self.clock() - self._last_poll >= self.control_poll_s:
             self._last_poll = self.clock()
-            requests = pending_requests(self.run)
+            try:
+                requests = pending_requests(self.run)
+            except Exception as e:  # noqa: BLE001 - a broken control area must not stop training
+                log.warning("resume: cannot read save requests under %s: %s", self.run.url, e)
         # One small all-reduce per iteration: every rank learns every flag, so
         # all ranks save the same iteration. The requests themselves travel
         # only when there are some.
@@ -409,16 +446,21 @@ class Coordinator:
         try:
             step = self.save()
         except ResumeError as e:
-            if self.rank == 0:
-                for request in requests:
-                    answer_request(self.run, request, step=None, error=str(e))
+            self._answer(requests, step=None, error=str(e))
             raise
-        if self.rank == 0:
-            for request in requests:
-                answer_request(self.run, request, step=step)
+        self._answer(requests, step=step)
         if stop:
             self.should_stop = True
         return True
+
+    def _answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
+        if self.rank != 0:
+            return
+        for request in requests:
+            try:
+                answer_request(self.run, request, step=step, error=error)
+            except Exception as e:  # noqa: BLE001 - the save is done; the asker will time out
+                log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
 
     def _prepare_step_dir(self, step: int) -> bool:
         """Rank 0: True if ``step`` is already committed; removes a torn leftover of it."""
@@ -535,8 +577,8 @@ def _rebuild_error(name: str, message: str) -> ResumeError:
     return exc
 
 
-def _check_json(value: Any, name: str) -> None:
+def _as_json(value: Any, name: str) -> Any:
     try:
-        json.dumps(value, allow_nan=False)
+        return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise UsageError(f"{name}: expected JSON-serialisable values, actual {e}") from e

@@ -74,7 +74,7 @@ class Manifest:
         """Parse and validate; ManifestError names the file and the field."""
         try:
             body = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
         if not isinstance(body, dict):
             raise ManifestError(f"{source}: expected a JSON object, actual {type(body).__name__}")

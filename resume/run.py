@@ -122,12 +122,19 @@ class Run:
     @classmethod
     def open(cls, url: str, *, create: bool = False) -> Run:
         """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false."""
-        storage = open_storage(url)
+        run = cls(open_storage(url))
         if create:
-            storage.makedirs("")
-        elif not storage.isdir(""):
-            raise RunNotFoundError(f"{url}: run directory: expected an existing directory, actual missing")
-        return cls(storage)
+            run.ensure_exists()
+        elif not run.storage.isdir(""):
+            actual = "not a directory" if run.storage.exists("") else "missing"
+            raise RunNotFoundError(f"{url}: run directory: expected an existing directory, actual {actual}")
+        return run
+
+    def ensure_exists(self) -> None:
+        """Create the run directory (rank 0, at start); a file in its place is an error."""
+        if self.storage.exists("") and not self.storage.isdir(""):
+            raise RunNotFoundError(f"{self.url}: run directory: expected a directory, actual a file")
+        self.storage.makedirs("")
 
     # -- listing ---------------------------------------------------------------
 
@@ -173,6 +180,12 @@ class Run:
         except ManifestError as e:
             result.problems.append(str(e))
             return result
+        except (OSError, ValueError) as e:  # not a directory, unreadable, storage down
+            if not self.storage.isdir(step_dirname(step)):
+                result.has_manifest = False  # a stray file with a step's name: not a checkpoint
+            result.problems.append(f"{self.storage.url(step_dirname(step))}: expected a readable "
+                                   f"step directory, actual {type(e).__name__}: {e}")
+            return result
         for rel, entry in sorted(result.manifest.files.items()):
             path = self.step_path(step, rel)
             source = self.storage.url(path)
@@ -180,6 +193,10 @@ class Run:
                 size = self.storage.size(path)
             except FileNotFoundError:
                 result.problems.append(f"{source}: expected a file of {entry.size} bytes, actual missing")
+                continue
+            except (OSError, ValueError) as e:
+                result.problems.append(f"{source}: expected a readable file, actual "
+                                       f"{type(e).__name__}: {e}")
                 continue
             if size != entry.size:
                 result.problems.append(f"{source}: size: expected {entry.size}, actual {size}")
@@ -204,6 +221,10 @@ class Run:
             except FileNotFoundError:
                 problems.append(f"{self.storage.url(path)}: expected a file of {entry.size} bytes, "
                                 "actual missing")
+                continue
+            except (OSError, ValueError) as e:
+                problems.append(f"{self.storage.url(path)}: expected a readable file, actual "
+                                f"{type(e).__name__}: {e}")
                 continue
             if checksum != entry.checksum:
                 problems.append(f"{self.storage.url(path)}: checksum: expected {entry.checksum}, "
@@ -270,6 +291,20 @@ class Run:
 
     def delete_step(self, step: int) -> None:
         self.storage.delete(step_dirname(step))
+
+    def quarantine_step(self, step: int, reason: str) -> str:
+        """Move a broken checkpoint out of discovery's and retention's way; never delete it.
+
+        A name that is not ``step-…`` is ignored by discovery and retention.
+        """
+        name = f"quarantine-{step_dirname(step)}-{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%S}"
+        self.storage.rename(step_dirname(step), name)
+        log.warning("resume: moved broken %s to %s: %s", step_dirname(step), name, reason)
+        try:
+            self.storage.write_bytes_atomic(join(name, "QUARANTINED.txt"), (reason + "\n").encode())
+        except OSError as e:
+            log.warning("resume: cannot write the reason into %s: %s", name, e)
+        return name
 
     def apply_retention(self, policy: KeepPolicy) -> list[int]:
         """Delete old committed checkpoints per policy; only after a newer one committed."""

@@ -17,7 +17,7 @@ from typing import IO, Protocol
 
 import tenacity
 
-from .errors import StorageError
+from .errors import StorageError, UsageError
 
 __all__ = ["FsspecStorage", "LocalStorage", "Storage", "join", "open_storage"]
 
@@ -43,6 +43,7 @@ class Storage(Protocol):
     def write_bytes_atomic(self, path: str, data: bytes) -> None: ...
     def makedirs(self, path: str) -> None: ...
     def delete(self, path: str) -> None: ...
+    def rename(self, src: str, dst: str) -> None: ...
     def local_path(self, path: str) -> str | None: ...
 
 
@@ -107,6 +108,9 @@ class LocalStorage:
             shutil.rmtree(target)
         elif os.path.exists(target):
             os.unlink(target)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self.url(src), self.url(dst))
 
 
 def fsync_dir(directory: str) -> None:
@@ -205,9 +209,16 @@ class FsspecStorage:
         if self._call(self.fs.exists, target):
             self._call(self.fs.rm, target, recursive=True)
 
+    def rename(self, src: str, dst: str) -> None:
+        self._call(self.fs.mv, self.url(src), self.url(dst), recursive=True)
+
 
 def open_storage(url: str) -> LocalStorage | FsspecStorage:
     """The storage for a run URL: POSIX fast path for local paths, fsspec otherwise."""
     if "://" not in url or url.startswith("file://"):
         return LocalStorage(url)
-    return FsspecStorage(url)
+    try:
+        return FsspecStorage(url)
+    except (ValueError, ImportError) as e:
+        raise UsageError(f"{url}: run URL: expected a local path or an fsspec URL whose protocol "
+                         f"is installed, actual {e}") from e

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from resume.adapters.torch_native import NativeTorchAdapter
 from workloads import Setup, build, train
 
@@ -31,11 +32,18 @@ def flip_middle_byte(path: str) -> None:
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(run_dir, caplog):
     trained(run_dir, until=6, every=3)
     flip_middle_byte(os.path.join(run_dir, "step-000000006", "__0_0.distcp"))
-    coord, _ = build(0, 1, run_dir, Setup(every=3))
+    coord, parts = build(0, 1, run_dir, Setup(every=3))
     with caplog.at_level("WARNING", logger="resume"):
         coord.restore()
     assert coord.restored_from == 3
     assert "step-000000006" in caplog.text and "checksum" in caplog.text
+    # The corrupt one is moved aside (kept, never deleted) and step 6 is written anew.
+    quarantined = [n for n in os.listdir(run_dir) if n.startswith("quarantine-step-000000006")]
+    assert len(quarantined) == 1
+    assert os.path.exists(os.path.join(run_dir, quarantined[0], "__0_0.distcp"))
+    train(coord, parts, until=6)
+    run = Run.open(run_dir)
+    assert run.committed_steps() == [3, 6] and run.check(6, deep=True).committed
 
 
 def test_no_valid_checkpoint_refuses_a_silent_fresh_start(run_dir):
@@ -138,3 +146,63 @@ def test_fsspec_run_url_saves_and_restores_through_the_fsspec_path(tmp_path, sch
     train(coord2, parts, until=6)
     coord2.close()
     assert coord2.run.committed_steps() == [2, 4, 6]
+
+
+def test_a_first_save_that_never_committed_does_not_block_a_fresh_start(run_dir):
+    os.makedirs(os.path.join(run_dir, "step-000000003"))  # killed during the very first save
+    coord, parts = build(0, 1, run_dir, Setup(every=3))
+    assert coord.restore().iteration == 0
+    train(coord, parts, until=3)
+    assert Run.open(run_dir).committed_steps() == [3]
+
+
+def test_junk_in_the_control_area_does_not_stop_training(run_dir, caplog):
+    coord, parts = build(0, 1, run_dir, Setup(every=0))
+    os.makedirs(os.path.join(run_dir, "control", "save-x.request"))  # a directory, not a file
+    coord.restore()
+    with caplog.at_level("WARNING", logger="resume"):
+        train(coord, parts, until=3)
+    assert coord.iteration == 3
+
+
+def test_stray_file_named_like_a_step_is_reported_not_fatal(run_dir):
+    trained(run_dir, until=3, every=3)
+    with open(os.path.join(run_dir, "step-000000099"), "w") as f:
+        f.write("not a directory")
+    coord, _ = build(0, 1, run_dir, Setup(every=3))
+    coord.restore()
+    assert coord.restored_from == 3
+
+
+def test_each_call_to_batches_starts_the_next_pass_over_finite_data(run_dir):
+    _, parts = build(0, 1, run_dir, Setup())
+
+    class Epoch:
+        """Four batches per pass, like a DataLoader over a finite data set."""
+
+        def __iter__(self):
+            for i in range(4):
+                yield {"ids": torch.tensor([i]), "x": torch.zeros(1)}
+
+    adapter = NativeTorchAdapter(parts["model"], parts["opt"], parts["sched"], Epoch())
+    coord = Coordinator(run_dir, adapter, global_batch=1, every=0, handle_signals=False)
+    coord.restore()
+    counts = []
+    for _ in range(3):
+        n = 0
+        for _batch in coord.batches():
+            parts["opt"].step()
+            parts["sched"].step()
+            coord.update(applied=True)
+            n += 1
+        counts.append(n)
+    coord.close()
+    assert counts == [4, 4, 4]
+
+
+def test_config_with_tuples_and_int_keys_survives_a_restart(run_dir):
+    extra = {"betas": (0.9, 0.95), "layers": {1: "attn"}}
+    trained(run_dir, until=2, every=2, extra=extra)
+    coord, _ = build(0, 1, run_dir, Setup(every=2, extra=extra))
+    coord.restore()
+    assert coord.restored_from == 2

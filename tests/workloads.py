@@ -73,6 +73,7 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     cls = ForgetfulAdapter if setup.drop_optimizer_state else NativeTorchAdapter
     adapter = cls(ddp, opt, sched, data)
     config = {"seed": setup.seed} if setup.declare_seed else {}
+    config.update(setup.extra)
     coord = Coordinator(run, adapter, global_batch=setup.global_batch, every=setup.every,
                         seq_len=CFG.seq_len, config=config, handle_signals=False)
     return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
