@@ -23,7 +23,8 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.default_planner import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from resume.errors import UnsafeCheckpointError
+from resume.errors import ManifestError, UnsafeCheckpointError
+from resume.manifest import check_relative_path
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "restricted_load_metadata"]
 
@@ -65,6 +66,14 @@ def restricted_load_metadata(data: bytes, *, source: str) -> Metadata:
                                     f"({type(e).__name__}: {e})") from e
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{source}: expected DCP Metadata, actual {type(metadata).__name__}")
+    # Every data file must lie inside the step directory.
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        try:
+            check_relative_path(path, source=source)
+        except ManifestError as e:
+            raise UnsafeCheckpointError(f"{source}: storage_data.relative_path: expected a file "
+                                        f"inside the step directory, actual {path!r}") from e
     return metadata
 
 

@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from resume.adapter import Adapter
 from resume.comm import Comm, LocalComm
@@ -46,7 +54,7 @@ __all__ = ["NativeTorchAdapter", "TorchDistComm", "comm_for"]
 _DYNAMIC_SCHEDULER_KEYS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step",
                            "_is_initial", "verbose", "_schedulers", "_milestones_reached",
                            "best", "num_bad_epochs", "cooldown_counter", "last_epoch_", "T_cur",
-                           "_initial_step"}
+                           "T_i", "_initial_step"}
 
 
 class TorchDistComm:
@@ -154,18 +162,7 @@ class NativeTorchAdapter(Adapter):
     # -- schedule and optimizer -------------------------------------------------------------
 
     def describe_schedule(self) -> list[dict]:
-        described = []
-        for s in self.schedulers:
-            state = s.state_dict()
-            entry = {"class": type(s).__name__}
-            for key, value in sorted(state.items()):
-                if key in _DYNAMIC_SCHEDULER_KEYS:
-                    continue
-                if key == "lr_lambdas":
-                    value = [_describe_callable(fn) for fn in getattr(s, "lr_lambdas", [])]
-                entry[key] = jsonstate.encode(value)
-            described.append(entry)
-        return described
+        return [_describe_scheduler(s) for s in self.schedulers]
 
     def current_lrs(self) -> list[float]:
         return [float(g["lr"]) for opt in self.optimizers for g in opt.param_groups]
@@ -182,8 +179,13 @@ class NativeTorchAdapter(Adapter):
                 warnings.simplefilter("ignore")
                 for _ in range(k - 1):
                     for s in self.schedulers:
-                        s.step()
+                        if not isinstance(s, ReduceLROnPlateau):  # moves on metrics only
+                            s.step()
                     out.append(self.current_lrs())
+        except (ValueError, IndexError, ZeroDivisionError):
+            # A schedule with a fixed end (OneCycleLR) cannot step past it: the
+            # look-ahead stops there, the same way at save and at restore.
+            pass
         finally:
             for opt, groups in zip(self.optimizers, saved_groups):
                 for g, saved in zip(opt.param_groups, groups):
@@ -196,7 +198,7 @@ class NativeTorchAdapter(Adapter):
         return list(self._steps)
 
     def scheduler_positions(self) -> list[int]:
-        return [int(s.last_epoch) for s in self.schedulers]
+        return [_position(s) for s in self.schedulers]
 
     def optimizer_fingerprint(self) -> list[dict]:
         fingerprints = []
@@ -221,8 +223,12 @@ class NativeTorchAdapter(Adapter):
     # -- persistence ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        # Param-group hyperparameters travel here too: an optimizer without
+        # state yet is not in the sharded checkpoint, but its LR still moved.
+        groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                  for opt in self.optimizers]
         return {"schedulers": [jsonstate.encode(s.state_dict()) for s in self.schedulers],
-                "optimizer_steps": list(self._steps)}
+                "optimizer_steps": list(self._steps), "param_groups": jsonstate.encode(groups)}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["schedulers"]
@@ -234,17 +240,28 @@ class NativeTorchAdapter(Adapter):
         if len(steps) != len(self.optimizers):
             raise ValueError(f"optimizers: expected {len(steps)} (as saved), actual {len(self.optimizers)}")
         self._steps = steps
+        for opt, groups in zip(self.optimizers, jsonstate.decode(state.get("param_groups", [])),
+                               strict=False):
+            for g, saved in zip(opt.param_groups, groups, strict=False):
+                g.update(saved)
 
-    def _sharded_state(self) -> dict:
+    def _sharded_state(self, optimizers: list) -> dict:
+        """Model and optimizer state for DCP. ``get_state_dict`` creates the state of an
+        optimizer that has none (a zero-LR step), so only optimizers named here are touched."""
         self._internal_step = True
         try:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+            if optimizers:
+                model_sd, optim_sd = get_state_dict(self.model, optimizers)
+            else:
+                model_sd, optim_sd = get_model_state_dict(self.model), {}
         finally:
             self._internal_step = False
         return {"model": model_sd, "optim": optim_sd}
 
     def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
-        state = self._sharded_state()
+        # An optimizer without state (no update applied yet) is left out: making
+        # its state up for the save would change the training that follows.
+        state = self._sharded_state([o for o in self.optimizers if o.state])
         local = storage.local_path(step_dir)
         if local is not None:
             writer = dcp.FileSystemWriter(local, sync_files=True)
@@ -274,16 +291,42 @@ class NativeTorchAdapter(Adapter):
         # Refuse a hostile .metadata here, with our error, before DCP sees it
         # (the reader below checks again, for the read it actually loads).
         metadata_path = f"{step_dir}/.metadata"
-        restricted_load_metadata(storage.read_bytes(metadata_path), source=storage.url(metadata_path))
-        state = self._sharded_state()
+        metadata = restricted_load_metadata(storage.read_bytes(metadata_path),
+                                            source=storage.url(metadata_path))
+        saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
+                      for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
+        # A fresh optimizer has no state; DCP needs tensors to load into, so it
+        # is created (zero-LR step) and then trimmed to what was saved: the
+        # optimizers and parameters that had no state then have none now.
+        saved_optimizers = [o for o, fqns in zip(self.optimizers, self._fqns_per_optimizer(), strict=True)
+                            if fqns & saved_fqns]
+        state = self._sharded_state(saved_optimizers)
+        for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
+            del state["optim"]["state"][fqn]
         local = storage.local_path(step_dir)
         reader = (SafeFileSystemReader(local) if local is not None
                   else SafeFsspecReader(storage.url(step_dir)))
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.process_group, no_dist=not dist.is_initialized())
-        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        if saved_optimizers:
+            # strict=False lets parameters that had no optimizer state keep none;
+            # every model key was loaded above (DCP fails on a missing one).
+            set_state_dict(self.model, saved_optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+        else:
+            set_model_state_dict(self.model, state["model"])
+        for opt in self.optimizers:
+            if opt not in saved_optimizers:
+                opt.state.clear()
+
+    def _fqns_per_optimizer(self) -> list[set[str]]:
+        """The checkpoint names (FQNs) of each optimizer's parameters."""
+        names = {}
+        for name, param in self.model.named_parameters():
+            names[param] = _get_fqns(self.model, name)
+        return [{fqn for g in opt.param_groups for p in g["params"] for fqn in names.get(p, ())}
+                for opt in self.optimizers]
 
     def topology(self) -> dict:
         return {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
@@ -295,6 +338,29 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _position(scheduler: Any) -> int:
+    """Updates a scheduler has taken; a chain of schedulers is where its children are."""
+    if hasattr(scheduler, "last_epoch"):
+        return int(scheduler.last_epoch)
+    children = getattr(scheduler, "_schedulers", [])
+    return min((_position(c) for c in children), default=0)
+
+
+def _describe_scheduler(scheduler: Any) -> dict:
+    """A scheduler's configuration (no position), children of SequentialLR/ChainedScheduler included."""
+    entry: dict[str, Any] = {"class": type(scheduler).__name__}
+    for key, value in sorted(scheduler.state_dict().items()):
+        if key in _DYNAMIC_SCHEDULER_KEYS or key == "optimizer":
+            continue
+        if key == "lr_lambdas":
+            value = [_describe_callable(fn) for fn in getattr(scheduler, "lr_lambdas", [])]
+        entry[key] = jsonstate.encode(value)
+    children = getattr(scheduler, "_schedulers", None)
+    if children:
+        entry["children"] = [_describe_scheduler(c) for c in children]
+    return entry
 
 
 def _distcp_owner(name: str) -> int | None:

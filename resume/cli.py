@@ -297,12 +297,16 @@ def ls_command(run_url: str, as_json: bool) -> int:
 @command
 def inspect(run_url: str, step: int | None, as_json: bool) -> int:
     """Show one checkpoint's manifest: counters, expectation, files, topology, config."""
+    from .continuity import Expectation
+
     run = Run.open(run_url)
     manifest = run.manifest_for(step)
+    source = run.storage.url(f"{step_dirname(manifest.step)}/manifest.json")
+    expectation = Expectation.from_dict(manifest.expectation, source=source)  # validates
     if as_json:
         _emit_json(json.loads(manifest.to_json()))
         return EXIT_OK
-    s, e = manifest.train_state, manifest.expectation
+    s, e = manifest.train_state, expectation.to_dict()
     click.echo(f"{step_dirname(manifest.step)}  ({run.storage.url(step_dirname(manifest.step))})")
     click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
     click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "

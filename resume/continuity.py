@@ -51,7 +51,34 @@ class Expectation:
         if "lr_ahead" not in data or "next_batch" not in data:
             raise ManifestError(f"{source}: expectation: expected fields next_batch and lr_ahead, "
                                 f"actual {sorted(data)}")
+        _check_shape(data, source)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_shape(data: dict, source: str) -> None:
+    """The types the comparison and the CLI rely on; a hand-edited manifest fails here."""
+    def bad(field_name: str, expected: str) -> ManifestError:
+        return ManifestError(f"{source}: expectation.{field_name}: expected {expected}, "
+                             f"actual {data.get(field_name)!r:.80}")
+
+    lr = data["lr_ahead"]
+    if not (isinstance(lr, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in lr)):
+        raise bad("lr_ahead", "a list of lists of numbers")
+    nb = data["next_batch"]
+    if nb is not None and not (isinstance(nb, dict) and isinstance(nb.get("ids"), list)
+                               and isinstance(nb.get("digest"), str)
+                               and isinstance(nb.get("samples"), int)):
+        raise bad("next_batch", "null or an object with ids, digest and samples")
+    steps = data.get("optimizer_steps", [])
+    if not (isinstance(steps, list) and all(isinstance(s, int) for s in steps)):
+        raise bad("optimizer_steps", "a list of integers")
+    for name in ("schedule", "optimizer", "rng"):
+        if not isinstance(data.get(name, []), list):
+            raise bad(name, "a list")
 
 
 def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]]) -> dict | None:
@@ -90,7 +117,9 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
                               f"{len(actual.schedule)} schedulers")
     if expected.optimizer_steps != actual.optimizer_steps:
         raise ContinuityError("optimizer.steps", expected.optimizer_steps, actual.optimizer_steps)
-    if not resized:
+    if resized:
+        _compare_moment_totals(expected, actual)
+    else:
         for rank, (e_rank, a_rank) in enumerate(zip(expected.optimizer, actual.optimizer)):
             for i, (e, a) in enumerate(zip(e_rank, a_rank)):
                 if e != a:
@@ -112,11 +141,25 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
     _compare_batch(expected.next_batch, actual.next_batch)
 
 
+def _compare_moment_totals(expected: Expectation, actual: Expectation) -> None:
+    """On another data-parallel size shards differ, but moments that were there must still be."""
+    n_opt = max((len(r) for r in expected.optimizer), default=0)
+    for i in range(n_opt):
+        had = sum(r[i].get("abs_sum", 0.0) for r in expected.optimizer if i < len(r))
+        has = sum(r[i].get("abs_sum", 0.0) for r in actual.optimizer if i < len(r))
+        if had > 0 and has == 0:
+            raise ContinuityError(f"optimizer[{i}].moments", f"|sum| {had!r} over all ranks",
+                                  "|sum| 0.0", "optimizer state not loaded or re-initialised")
+
+
 def _compare_batch(expected: dict | None, actual: dict | None) -> None:
-    if expected is None or actual is None:
-        if expected != actual:
-            raise ContinuityError("next_batch", _short(expected), _short(actual))
+    if expected is None:
+        # Saved at the end of a pass over the data: what the next pass starts
+        # with is the loader's business (a new epoch, a new shuffle).
         return
+    if actual is None:
+        raise ContinuityError("next_batch", _short(expected), "end of data",
+                              "the data stream ended where it had more")
     if expected["ids"] != actual["ids"]:
         raise ContinuityError("next_batch.ids", _short(expected["ids"], 80), _short(actual["ids"], 80),
                               "the data stream does not continue where it stopped")

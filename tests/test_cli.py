@@ -257,3 +257,22 @@ def test_signal_on_one_rank_saves_on_all_ranks_at_the_same_iteration_then_stops(
     listing = json.loads(resume("ls", run, "--json").stdout)["checkpoints"]
     assert [(c["step"], c["committed"]) for c in listing] == [(last, True)]
     assert resume("verify", run, "--deep").returncode == 0
+
+
+def test_hand_edited_expectation_is_a_one_line_error(run_copy):
+    def break_lr(text: str) -> str:
+        body = json.loads(text)
+        body["expectation"]["lr_ahead"] = 5
+        return json.dumps(body)
+
+    path = _rewrite_manifest(run_copy, 40, break_lr)
+    assert_one_line_error(resume("inspect", run_copy, "--step", "40"), 1, path,
+                          "expectation.lr_ahead: expected a list of lists of numbers")
+    assert_one_line_error(resume("verify", run_copy, "--step", "40"), 1, "expectation.lr_ahead")
+
+
+def test_unknown_url_scheme_is_a_usage_error_and_a_file_is_not_a_run(tmp_path):
+    assert_one_line_error(resume("ls", "nosuchproto://bucket/run"), 2, "nosuchproto://bucket/run")
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert_one_line_error(resume("ls", str(f)), 3, "actual not a directory")

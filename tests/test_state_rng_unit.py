@@ -366,3 +366,25 @@ def test_compare_config_names_the_key():
     with pytest.raises(ContinuityError) as info:
         compare_config({"seed": 1, "global_batch": 4}, {"seed": 2, "global_batch": 4})
     assert info.value.item == "config.seed"
+
+
+def test_resize_still_catches_moments_that_were_not_loaded():
+    from resume.continuity import Expectation, compare
+
+    def exp(abs_sums):
+        return Expectation(next_batch=None, lr_ahead=[[0.1], [0.1]], optimizer_steps=[3],
+                           optimizer=[[{"digest": "x", "abs_sum": a, "numel": 4}] for a in abs_sums])
+
+    compare(exp([1.0, 1.0]), exp([2.0]), resized=True)  # reshaped, still there: fine
+    with pytest.raises(ContinuityError, match=r"optimizer\[0\]\.moments"):
+        compare(exp([1.0, 1.0]), exp([0.0]), resized=True)
+
+
+def test_end_of_data_at_save_does_not_constrain_the_next_pass():
+    from resume.continuity import Expectation, compare
+
+    saved = Expectation(next_batch=None, lr_ahead=[[0.1], [0.1]])
+    now = Expectation(next_batch={"ids": [0], "digest": "d", "samples": 1}, lr_ahead=[[0.1], [0.1]])
+    compare(saved, now)
+    with pytest.raises(ContinuityError, match="next_batch"):
+        compare(now, saved)

@@ -47,7 +47,7 @@ class DrillConfig:
             raise UsageError(f"--ranks: expected 1, 2, 4 or 8 (global batch 8), actual {self.ranks}")
         if self.every < 1:
             raise UsageError(f"every: expected >= 1, actual {self.every}")
-        windows = self.iterations // self.every - 1
+        windows = max(0, self.iterations // self.every - 1)
         if self.kills < 0 or self.kills > windows:
             raise UsageError(f"--kills: expected 0..{max(windows, 0)} for {self.iterations} iterations "
                              f"with a checkpoint every {self.every}, actual {self.kills}")
