@@ -211,11 +211,11 @@ class Coordinator:
         # Phase 1, local, no collectives: what this rank contributes. A failure
         # here must not leave the other ranks waiting in a collective.
         staged = self._guarded(lambda: self._stage_rank_part(step_dir))
-        gathered = self._agree(self.comm.all_gather_object(staged), step_dir)
+        gathered = self._agree(self.comm.all_gather_object(staged), step_dir, saving=True)
         expectation = self._assemble_expectation([g["part"] for g in gathered])
         # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
         report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
-        reports = self._agree(self.comm.all_gather_object(report), step_dir)
+        reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
         # Phase 3, rank 0: the manifest, last and atomically, then retention.
         self._on_rank0(lambda: self._commit(step, reports, expectation))
         self.last_committed_step = step
@@ -310,7 +310,8 @@ class Coordinator:
         # Local reads first, agreed on by all ranks, so that a bad file on one
         # rank fails every rank instead of leaving them in a collective.
         staged = self._guarded(lambda: {"state": self._read_rank_state(manifest, saved_world)})
-        rank_state = self._agree(self.comm.all_gather_object(staged), step_dir)[self.rank]["state"]
+        rank_state = self._agree(self.comm.all_gather_object(staged),
+                                 f"restore of {step_dir}")[self.rank]["state"]
         self.adapter.load_shards(self.run.storage, step_dir)
         self.adapter.load_state_dict(rank_state["adapter"])
         self.adapter.load_data_state(rank_state["data"])
@@ -500,7 +501,7 @@ class Coordinator:
             return {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}",
                     "kind": type(e).__name__, "message": str(e)}
 
-    def _agree(self, reports: list[dict], what: str) -> list[dict]:
+    def _agree(self, reports: list[dict], what: str, *, saving: bool = False) -> list[dict]:
         """Raise the same error on every rank if any rank failed."""
         failures = [r for r in reports if not r["ok"]]
         if not failures:
@@ -510,8 +511,12 @@ class Coordinator:
                 f["message"] == first["message"] for f in failures):
             # The same error everywhere (a continuity or invariant check): raise it as such.
             raise _rebuild_error(first["kind"], first["message"])
-        raise SaveFailedError(f"{self.run.storage.url(what) if what.startswith('step-') else what}: "
-                              f"failed, nothing committed: {'; '.join(f['error'] for f in failures)}")
+        detail = "; ".join(f["error"] for f in failures)
+        if saving:
+            raise SaveFailedError(f"{self.run.storage.url(what)}: save failed on "
+                                  f"{len(failures)} of {len(reports)} ranks, nothing committed: {detail}")
+        raise _rebuild_error(first["kind"], f"{what} failed on {len(failures)} of {len(reports)} "
+                                            f"ranks: {detail}")
 
     def _commit(self, step: int, reports: list[dict], expectation: Expectation) -> None:
         files: dict[str, FileEntry] = {}
@@ -567,7 +572,7 @@ def _rebuild_error(name: str, message: str) -> ResumeError:
     """The error another rank raised, raised here too (same class when it is one of ours)."""
     cls = getattr(_errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ResumeError)):
-        cls = SaveFailedError
+        cls = ResumeError
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
     if cls is ContinuityError:  # keep .item for callers; the message already says it all

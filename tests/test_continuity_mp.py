@@ -173,3 +173,31 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank_and_commits_nothing(tmp_
         assert out["outcome"].startswith("SaveFailedError: ")
         assert "rank 1: OSError" in out["outcome"] and "No space left" in out["outcome"]
         assert out["committed"] == [] and out["dirs"] == [2]
+
+
+def bad_rank_state_on_rank_1(rank: int, world: int, tmp: str) -> str:
+    import torch.distributed as dist
+
+    run = f"{tmp}/run"
+    coord, parts = build(rank, world, run, Setup(every=3))
+    coord.restore()
+    train(coord, parts, until=3)
+    coord.close()
+    dist.barrier()
+    if rank == 0:
+        path = f"{run}/step-000000003/rank-00001.json"
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("{", "[", 1))
+    dist.barrier()
+    coord, _ = build(rank, world, run, Setup(every=3))
+    coord.verify_on_restore = False  # so that only the content can fail, on rank 1 alone
+    return restore_outcome(coord)
+
+
+def test_a_bad_file_on_one_rank_fails_the_restore_on_every_rank_without_hanging(tmp_path):
+    outcomes = run_ranks(bad_rank_state_on_rank_1, 2, str(tmp_path))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0].startswith("ManifestError: restore of step-000000003 failed on 1 of 2 ranks")
+    assert "rank-00001.json: expected JSON" in outcomes[0]
