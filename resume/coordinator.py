@@ -16,6 +16,7 @@ framework: everything framework-specific goes through the ``Adapter``.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import signal
@@ -35,6 +36,7 @@ from .errors import (
     NoValidCheckpointError,
     ResumeError,
     SaveFailedError,
+    StorageError,
     UsageError,
 )
 from .manifest import FileEntry, Manifest
@@ -277,7 +279,8 @@ class Coordinator:
     def _verify_share(self, manifest: Manifest) -> list[str]:
         """Collective: every rank checksums its share of the files; all problems, on every rank."""
         share = sorted(manifest.files)[self.rank::self.comm.world_size]
-        staged = self._guarded(lambda: {"problems": self.run.verify_checksums(manifest, share)})
+        staged = self._guarded(lambda: {"problems": self.run.verify_checksums(
+            manifest, share, raise_unreadable=True)})
         gathered = self._agree(self.comm.all_gather_object(staged), "checksum verification")
         return [p for g in gathered for p in g["problems"]]
 
@@ -572,7 +575,9 @@ def _rebuild_error(name: str, message: str) -> ResumeError:
     """The error another rank raised, raised here too (same class when it is one of ours)."""
     cls = getattr(_errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ResumeError)):
-        cls = ResumeError
+        builtin = getattr(builtins, name, None)
+        is_os = isinstance(builtin, type) and issubclass(builtin, OSError)
+        cls = StorageError if is_os else ResumeError
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
     if cls is ContinuityError:  # keep .item for callers; the message already says it all

@@ -206,11 +206,14 @@ class Run:
         return result
 
     def verify_checksums(self, manifest: Manifest, paths: Iterable[str],
-                         progress: Callable[[int], None] | None = None) -> list[str]:
+                         progress: Callable[[int], None] | None = None, *,
+                         raise_unreadable: bool = False) -> list[str]:
         """Problems found reading ``paths`` (of ``manifest``) and comparing their checksums.
 
         The deep half of the commit check, split out so that every rank can
-        verify its share of a large checkpoint.
+        verify its share of a large checkpoint. With ``raise_unreadable`` an I/O
+        error propagates: storage that cannot be read says nothing about the
+        checkpoint, and restore must not pass over a good one because of it.
         """
         problems = []
         for rel in paths:
@@ -223,6 +226,8 @@ class Run:
                                 "actual missing")
                 continue
             except (OSError, ValueError) as e:
+                if raise_unreadable and isinstance(e, OSError):
+                    raise
                 problems.append(f"{self.storage.url(path)}: expected a readable file, actual "
                                 f"{type(e).__name__}: {e}")
                 continue

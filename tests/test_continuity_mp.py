@@ -201,3 +201,31 @@ def test_a_bad_file_on_one_rank_fails_the_restore_on_every_rank_without_hanging(
     assert outcomes[0] == outcomes[1]
     assert outcomes[0].startswith("ManifestError: restore of step-000000003 failed on 1 of 2 ranks")
     assert "rank-00001.json: expected JSON" in outcomes[0]
+
+
+def io_error_on_rank_1(rank: int, world: int, tmp: str) -> dict:
+    import errno
+
+    import torch.distributed as dist
+
+    run = f"{tmp}/run"
+    coord, parts = build(rank, world, run, Setup(every=3))
+    coord.restore()
+    train(coord, parts, until=7)
+    coord.close()
+    dist.barrier()
+    coord, _ = build(rank, world, run, Setup(every=3))
+    if rank == 1:
+        def unreadable(path):
+            raise OSError(errno.EIO, "Input/output error", path)
+        coord.run.storage.open_read = unreadable
+    outcome = restore_outcome(coord)
+    import os
+    return {"outcome": outcome, "listing": sorted(os.listdir(run))}
+
+
+def test_storage_read_errors_during_restore_fail_loudly_and_move_nothing(tmp_path):
+    for out in run_ranks(io_error_on_rank_1, 2, str(tmp_path)):
+        assert out["outcome"].startswith("StorageError: checksum verification failed on 1 of 2 ranks")
+        assert "Input/output error" in out["outcome"]
+        assert [n for n in out["listing"] if n.startswith("step-")] == ["step-000000003", "step-000000006"]
