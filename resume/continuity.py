@@ -17,11 +17,7 @@ from typing import Any
 from .checksum import digest_parts
 from .errors import ContinuityError, ManifestError
 
-__all__ = ["RESIZE_MAY_CHANGE", "Expectation", "compare", "merge_batch_descriptions"]
-
-# Items a restart on another data-parallel size may legitimately change: the
-# per-rank RNG streams, and the per-rank layout of optimizer shards.
-RESIZE_MAY_CHANGE = frozenset({"rng", "optimizer.local"})
+__all__ = ["Expectation", "compare", "compare_config", "merge_batch_descriptions"]
 
 
 @dataclass(kw_only=True)
@@ -106,7 +102,12 @@ def _first_difference(a: list, b: list) -> int | None:
 
 
 def compare(expected: Expectation, actual: Expectation, *, resized: bool = False) -> None:
-    """Raise ContinuityError for the first item that differs (order: cheapest to explain first)."""
+    """Raise ContinuityError for the first item that differs (order: cheapest to explain first).
+
+    ``resized``: a restart on another data-parallel size may change the per-rank
+    RNG streams and the per-rank layout of optimizer shards; those are then
+    compared only as totals (moments must still be there), everything else exactly.
+    """
     if expected.schedule != actual.schedule:
         for i, (e, a) in enumerate(zip(expected.schedule, actual.schedule)):
             for key in sorted(set(e) | set(a)):
