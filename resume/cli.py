@@ -450,6 +450,109 @@ def simulate(nodes: int, spares: int, node_mtbf_hours: float | None, distributio
     return EXIT_OK
 
 
+# -- slurm -------------------------------------------------------------------------------------
+
+
+@cli.group()
+def slurm() -> None:
+    """Slurm integration: the requeue hook and the sbatch script that runs it.
+
+    Exit codes of `slurm run`: 0 finished or requeued, 1 could not recover,
+    2 usage, 5 crash loop (requeueing stopped), 6 no Slurm commands,
+    7 not inside a Slurm allocation.
+    """
+
+
+def hook_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed([
+        click.option("--run", "run_url", required=True, help="The run directory (local path or URL)."),
+        click.option("--global-batch", type=int, required=True,
+                     help="Kept across a shrink: only data-parallel sizes dividing it are used."),
+        click.option("--micro-batch", type=int, default=1, show_default=True),
+        click.option("--nodes-per-replica", type=int, default=1, show_default=True,
+                     help="TP x CP x PP / GPUs per node (8 for the reference run)."),
+        click.option("--tasks-per-node", type=int, default=1, show_default=True),
+        click.option("--spares", type=int, default=0, show_default=True,
+                     help="Nodes of the allocation held back as hot spares."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@slurm.command(name="run", context_settings={"ignore_unknown_options": True})
+@hook_options
+@click.option("--crash-loop", type=int, default=3, show_default=True,
+              help="Failures in a row without a new checkpoint that stop the requeueing.")
+@click.option("--grace", type=float, default=None,
+              help="Seconds to wait for the save after USR1/TERM [default: from measured saves].")
+@click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
+                metavar="-- COMMAND...")
+@command
+def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
+              tasks_per_node: int, spares: int, crash_loop: int, grace: float | None,
+              command_args: tuple[str, ...]) -> int:
+    """Start the training step with srun and supervise it (the batch script's main process)."""
+    from .cluster.hook import HookConfig, Supervisor
+    from .cluster.slurm import Slurm, SlurmJob
+
+    job = SlurmJob.from_env(os.environ)
+    cluster = Slurm()
+    cluster.check_installed()
+    cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
+                     micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
+                     tasks_per_node=tasks_per_node, spares=spares, crash_loop=crash_loop, grace_s=grace)
+    return Supervisor(cfg, job, cluster).run()
+
+
+@slurm.command(context_settings={"ignore_unknown_options": True})
+@hook_options
+@click.option("--nodes", type=int, required=True, help="Nodes of the allocation, spares included.")
+@click.option("--grace", type=int, default=None,
+              help="Seconds before the time limit for USR1 [default: from measured saves, else 300].")
+@click.option("--time", "time_limit", default=None, help="Slurm --time.")
+@click.option("--partition", default=None)
+@click.option("--job-name", default="resume", show_default=True)
+@click.option("--output", default="resume-%j.out", show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the script here instead of printing it.")
+@click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
+                metavar="-- COMMAND...")
+@command
+def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
+             tasks_per_node: int, spares: int, nodes: int, grace: int | None, time_limit: str | None,
+             partition: str | None, job_name: str, output: str, out_file: str | None,
+             command_args: tuple[str, ...]) -> int:
+    """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook."""
+    from .cluster.template import SbatchTemplate
+
+    if nodes < nodes_per_replica + spares:
+        raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
+                         f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")
+    script = SbatchTemplate(run_url=run_url, command=list(command_args), nodes=nodes,
+                            global_batch=global_batch, micro_batch=micro_batch,
+                            nodes_per_replica=nodes_per_replica, tasks_per_node=tasks_per_node,
+                            spares=spares, grace_s=grace if grace is not None else _measured_grace(run_url),
+                            job_name=job_name, time=time_limit, partition=partition,
+                            output=output).render()
+    if out_file:
+        with open(out_file, "w") as f:
+            f.write(script)
+        os.chmod(out_file, 0o755)
+    else:
+        click.echo(script, nl=False)
+    return EXIT_OK
+
+
+def _measured_grace(run_url: str) -> int:
+    """Twice the slowest recent save plus a minute to reach a boundary; 300 s if none measured."""
+    try:
+        run = Run.open(run_url)
+        saves = [run.read_manifest(s).timing.get("save_s", 0) for s in run.committed_steps()[-5:]]
+    except (ResumeError, OSError):
+        saves = []
+    return max(60, int(max(saves) * 2 + 60)) if saves else 300
+
+
 # -- drill -------------------------------------------------------------------------------------
 
 

@@ -203,6 +203,7 @@ class Coordinator:
         step = self.state.iteration
         if self.last_committed_step == step:
             return step
+        started = self.clock()
         step_dir = step_dirname(step)
         already = self._on_rank0(lambda: self._prepare_step_dir(step))
         if already:
@@ -219,7 +220,7 @@ class Coordinator:
         report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
         reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
         # Phase 3, rank 0: the manifest, last and atomically, then retention.
-        self._on_rank0(lambda: self._commit(step, reports, expectation))
+        self._on_rank0(lambda: self._commit(step, reports, expectation, self.clock() - started))
         self.last_committed_step = step
         return step
 
@@ -521,7 +522,8 @@ class Coordinator:
         raise _rebuild_error(first["kind"], f"{what} failed on {len(failures)} of {len(reports)} "
                                             f"ranks: {detail}")
 
-    def _commit(self, step: int, reports: list[dict], expectation: Expectation) -> None:
+    def _commit(self, step: int, reports: list[dict], expectation: Expectation,
+                elapsed_s: float) -> None:
         files: dict[str, FileEntry] = {}
         for report in reports:
             for rel, (size, checksum) in report["files"].items():
@@ -529,7 +531,7 @@ class Coordinator:
         manifest = Manifest(step=step, train_state=TrainState.from_dict(self.state.to_dict()),
                             files=files, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.config,
-                            adapter=self.adapter.name)
+                            timing={"save_s": round(elapsed_s, 3)}, adapter=self.adapter.name)
         self.run.write_manifest(manifest)
         log.info("resume: committed %s (%d files, %d bytes)", step_dirname(step), len(files),
                  manifest.total_bytes)

@@ -46,6 +46,8 @@ class Manifest:
     expectation: dict[str, Any] = field(default_factory=dict)
     topology: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+    """Measured costs, e.g. ``save_s`` (blocking time of this save): the Slurm hook's grace budget."""
     adapter: str = ""
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
@@ -61,6 +63,7 @@ class Manifest:
             "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
             "topology": self.topology,
             "config": self.config,
+            "timing": self.timing,
             "expectation": self.expectation,
         }
         return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
@@ -102,7 +105,7 @@ class Manifest:
                 raise ManifestError(f"{source}: files[{path!r}].checksum: expected 'xxh3:<hex>', "
                                     f"actual {checksum!r}")
             files[path] = FileEntry(size, checksum)
-        for name in ("expectation", "topology", "config"):
+        for name in ("expectation", "topology", "config", "timing"):
             if not isinstance(body.get(name, {}), dict):
                 raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
         return cls(
@@ -112,6 +115,7 @@ class Manifest:
             expectation=body.get("expectation", {}),
             topology=body.get("topology", {}),
             config=body.get("config", {}),
+            timing=body.get("timing", {}),
             adapter=str(body.get("adapter", "")),
             created_at=str(body.get("created_at", "")),
             schema_version=version,

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -68,6 +69,10 @@ def train(args: argparse.Namespace) -> None:
         iteration = coord.iteration + 1
         if rank == 0 and iteration == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if iteration == args.crash_at:
+            raise RuntimeError(f"drill worker: crashing at iteration {iteration} as asked (--crash-at)")
+        if args.sleep:
+            time.sleep(args.sleep)
         tokens = batch["tokens"]
         logits = ddp(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -113,6 +118,17 @@ def write_final(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         json.dump(final, f, indent=1)
 
 
+def _env_from_slurm(env: dict) -> None:
+    """Under srun: torch.distributed's variables from Slurm's (MASTER_* come from the hook)."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run", required=True)
@@ -123,8 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--trace", required=True)
     parser.add_argument("--final", required=True)
+    parser.add_argument("--sleep", type=float, default=0.0,
+                        help="Seconds to sleep per iteration (to give a signal time to land).")
+    parser.add_argument("--crash-at", type=int, default=0,
+                        help="Raise at this iteration, every time (a crash loop).")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    _env_from_slurm(os.environ)
     dist.init_process_group("gloo")
     try:
         train(args)

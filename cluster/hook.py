@@ -1,0 +1,335 @@
+"""The requeue hook: ``resume slurm run [options] -- <launch command>``.
+
+It is the batch script's main process (``exec``-ed by the sbatch script that
+``resume slurm template`` writes). It starts the training step with ``srun``
+and supervises it:
+
+- USR1 (time limit ahead) or TERM (preemption): ask the job to save and stop
+  through the run's control area, wait for the commit within the grace budget
+  (measured save times recorded in the run), let the step end, requeue.
+- the step fails: find the allocation's nodes that Slurm reports bad, record
+  them in the run, relaunch inside the allocation on spare nodes when enough
+  are healthy; otherwise on the next valid data-parallel size (global batch
+  kept); otherwise requeue with the bad nodes excluded.
+- crash loop: K failures in a row with no new committed checkpoint stop the
+  requeueing, loudly, with exit code 5.
+- the step ends with 0: training finished (or was asked to stop), exit 0.
+
+Every decision is a JSON line in ``RUN/cluster/events.jsonl`` with its reason.
+State that must survive requeues (bad nodes, recent failures) lives in
+``RUN/cluster/hook.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from resume.control import post_save_request, wait_for_answer
+from resume.errors import ResumeError, UsageError
+from resume.run import Run, utc_now
+
+from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
+
+__all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
+
+EXIT_CRASH_LOOP = 5
+EXIT_UNRECOVERABLE = 1
+EVENTS = "cluster/events.jsonl"
+STATE = "cluster/hook.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookConfig:
+    run_url: str
+    """The run the training writes (its control area carries the save request)."""
+    command: list[str]
+    """The training command srun starts on every task."""
+    global_batch: int
+    """Kept across a shrink: only data-parallel sizes that divide it are used."""
+    micro_batch: int = 1
+    nodes_per_replica: int = 1
+    """Nodes one model replica spans (TP x CP x PP / GPUs per node)."""
+    tasks_per_node: int = 1
+    spares: int = 0
+    """Nodes of the allocation held back as hot spares."""
+    crash_loop: int = 3
+    """This many step failures in a row without a new checkpoint stop the requeueing."""
+    grace_s: float | None = None
+    """Seconds to wait for the save after USR1/TERM; default: from measured save times."""
+    step_exit_s: float = 60.0
+    """After the save, how long the step may take to leave by itself before it is stopped."""
+    poll_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError("slurm run: expected a launch command after --, actual none")
+        for name in ("global_batch", "micro_batch", "nodes_per_replica", "tasks_per_node", "crash_loop"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"slurm run: --{name.replace('_', '-')}: expected >= 1, "
+                                 f"actual {getattr(self, name)}")
+        if self.global_batch % self.micro_batch:
+            raise UsageError(f"slurm run: --global-batch: expected a multiple of --micro-batch "
+                             f"{self.micro_batch}, actual {self.global_batch}")
+
+    def valid_dp(self, max_dp: int) -> list[int]:
+        micro_batches = self.global_batch // self.micro_batch
+        return [d for d in range(max_dp, 0, -1) if micro_batches % d == 0]
+
+
+@dataclass
+class HookState:
+    bad_nodes: list[str] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+    launches: int = 0
+
+
+class _StepEnded(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, cfg: HookConfig, job: SlurmJob, slurm: Slurm, *,
+                 popen: Callable[..., Any] = subprocess.Popen,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.job = job
+        self.slurm = slurm
+        self.popen = popen
+        self.clock = clock
+        self.sleep = sleep
+        self.env = dict(os.environ if env is None else env)
+        self.rundir = Run.open(cfg.run_url, create=True)
+        self.state = self._load_state()
+        self._signal: int | None = None
+        full = (len(job.nodes) - cfg.spares) // cfg.nodes_per_replica
+        valid = cfg.valid_dp(full)
+        if not valid:
+            raise UsageError(f"slurm run: layout: expected at least {cfg.nodes_per_replica + cfg.spares} "
+                             f"nodes ({cfg.nodes_per_replica} per replica + {cfg.spares} spares), "
+                             f"actual {len(job.nodes)}")
+        self.planned_dp = valid[0]
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._install_handlers()
+        self.event("start", restart_count=self.job.restart_count, nodes=self.job.nodes,
+                   planned_dp=self.planned_dp, bad_nodes=self.state.bad_nodes)
+        while True:
+            chosen = self._choose_nodes()
+            if chosen is None:
+                return self._requeue_excluding("not enough healthy nodes for any valid data-parallel size")
+            dp, nodes = chosen
+            proc = self._launch(dp, nodes)
+            outcome = self._supervise(proc)
+            if outcome == "signal":
+                return self._save_stop_requeue(proc)
+            rc = proc.returncode
+            if rc == 0:
+                self.event("finished", reason="the training step exited 0: no requeue")
+                self.state.failures.clear()
+                self._save_state()
+                return 0
+            verdict = self._after_failure(rc, nodes)
+            if verdict is not None:
+                return verdict
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _choose_nodes(self) -> tuple[int, list[str]] | None:
+        healthy = [n for n in self.job.nodes if n not in self.state.bad_nodes]
+        fits = len(healthy) // self.cfg.nodes_per_replica
+        valid = self.cfg.valid_dp(min(fits, self.planned_dp))
+        if not valid:
+            return None
+        dp = valid[0]
+        nodes = healthy[: dp * self.cfg.nodes_per_replica]
+        if self.state.bad_nodes:
+            if dp == self.planned_dp:
+                reason = f"bad nodes {self.state.bad_nodes} replaced by spares inside the allocation"
+                self.event("relaunch_on_spares", dp=dp, nodes=nodes, reason=reason)
+            else:
+                reason = (f"{len(healthy)} healthy nodes hold no {self.planned_dp} replicas: the next "
+                          f"valid data-parallel size keeping global batch {self.cfg.global_batch}")
+                self.event("shrink", from_dp=self.planned_dp, to_dp=dp, nodes=nodes, reason=reason)
+        return dp, nodes
+
+    def _after_failure(self, rc: int, nodes: list[str]) -> int | None:
+        committed = self._latest_committed()
+        self.state.failures.append({"at": utc_now(), "exit_code": rc, "committed_step": committed})
+        recent = self.state.failures[-self.cfg.crash_loop:]
+        if len(recent) == self.cfg.crash_loop and len({f["committed_step"] for f in recent}) == 1:
+            self._save_state()
+            self.event("crash_loop", failures=len(recent), committed_step=committed,
+                       reason=f"{len(recent)} failures in a row without a new checkpoint (last "
+                              f"committed step {committed}); not requeueing")
+            return EXIT_CRASH_LOOP
+        try:
+            states = self.slurm.node_states(self.job.nodes)
+        except SlurmError as e:
+            states = {}
+            self.event("node_states_unknown", reason=str(e))
+        bad = sorted(n for n in nodes if is_bad_state(states.get(n, "")))
+        if bad:
+            self.state.bad_nodes = sorted(set(self.state.bad_nodes) | set(bad))
+            self.event("nodes_failed", exit_code=rc, nodes=bad, states={n: states[n] for n in bad},
+                       committed_step=committed, reason="the step failed and Slurm reports these nodes bad")
+        else:
+            self.event("step_failed", exit_code=rc, committed_step=committed,
+                       reason="the step failed on healthy nodes: relaunch in place")
+        self._save_state()
+        return None
+
+    def _save_stop_requeue(self, proc: Any) -> int:
+        name = signal.Signals(self._signal).name if self._signal else "signal"
+        budget = self._grace_budget()
+        self.event("signal", signal=name, grace_s=budget,
+                   reason="time limit ahead or preemption: save, stop, requeue")
+        request = post_save_request(self.rundir, stop=True, reason=f"slurm hook: {name}")
+
+        def watch(remaining: float) -> None:
+            if proc.poll() is not None:
+                raise _StepEnded()
+
+        try:
+            step = wait_for_answer(self.rundir, request, timeout=budget, poll=self.cfg.poll_s,
+                                   clock=self.clock, sleep=self.sleep, on_wait=watch)
+            self.event("saved", step=step, reason="checkpoint committed after the signal")
+        except _StepEnded:
+            self.event("save_skipped", exit_code=proc.returncode,
+                       reason="the step ended before it answered the save request")
+        except ResumeError as e:
+            self.event("save_failed", reason=str(e))
+        self._stop_step(proc)
+        self.state.failures.clear()
+        self._save_state()
+        try:
+            self.slurm.requeue(self.job.job_id)
+        except SlurmError as e:
+            self.event("requeue_failed", reason=str(e))
+            return EXIT_UNRECOVERABLE
+        self.event("requeued", reason=f"after {name}")
+        return 0
+
+    def _requeue_excluding(self, reason: str) -> int:
+        bad = self.state.bad_nodes
+        self.event("requeue_excluding", nodes=bad, reason=reason)
+        self._save_state()
+        try:
+            self.slurm.call("scontrol", "requeuehold", self.job.job_id)
+            if bad:
+                self.slurm.exclude_nodes(self.job.job_id, bad)
+            self.slurm.call("scontrol", "release", self.job.job_id)
+        except SlurmError as e:
+            self.event("requeue_failed", reason=str(e))
+            return EXIT_UNRECOVERABLE
+        return 0
+
+    def _grace_budget(self) -> float:
+        if self.cfg.grace_s is not None:
+            return self.cfg.grace_s
+        measured = []
+        for step in self.rundir.step_dirs()[-5:]:
+            try:
+                measured.append(float(self.rundir.read_manifest(step).timing.get("save_s", 0)))
+            except (ResumeError, ValueError, TypeError):
+                continue
+        # Twice the slowest recent save plus the time to reach an iteration
+        # boundary and poll the control area; 120 s before anything was measured.
+        return max(measured) * 2 + 30 if measured else 120.0
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _launch(self, dp: int, nodes: list[str]) -> Any:
+        self.state.launches += 1
+        self._save_state()
+        try:
+            addresses = self.slurm.node_addresses(nodes[:1])
+        except SlurmError:
+            addresses = {}
+        master = addresses.get(nodes[0], nodes[0])
+        port = 20000 + (int(self.job.job_id) * 7 + self.state.launches) % 20000 \
+            if self.job.job_id.isdigit() else 29500
+        tasks = len(nodes) * self.cfg.tasks_per_node
+        env = dict(self.env, MASTER_ADDR=master, MASTER_PORT=str(port), RESUME_DP=str(dp),
+                   RESUME_LAUNCH=str(self.state.launches))
+        cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={tasks}",
+               f"--ntasks-per-node={self.cfg.tasks_per_node}", f"--nodelist={','.join(nodes)}",
+               "--kill-on-bad-exit=1", *self.cfg.command]
+        self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
+                   master=f"{master}:{port}")
+        return self.popen(cmd, env=env)
+
+    def _supervise(self, proc: Any) -> str:
+        while proc.poll() is None:
+            if self._signal is not None:
+                return "signal"
+            self.sleep(self.cfg.poll_s)
+        return "exited"
+
+    def _stop_step(self, proc: Any) -> None:
+        deadline = self.clock() + self.cfg.step_exit_s
+        while proc.poll() is None and self.clock() < deadline:
+            self.sleep(self.cfg.poll_s)
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+            if proc.poll() is not None:
+                break
+            self.event("stop_step", signal=sig.name, reason="the step did not leave by itself")
+            proc.send_signal(sig)
+            deadline = self.clock() + wait_s
+            while proc.poll() is None and self.clock() < deadline:
+                self.sleep(self.cfg.poll_s)
+        self.event("step_ended", exit_code=proc.poll())
+
+    # -- run records ------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"at": utc_now(), "event": kind, "job": self.job.job_id,
+                  "restart": self.job.restart_count, **fields}
+        line = json.dumps(record, sort_keys=False) + "\n"
+        path = self.rundir.storage.local_path(EVENTS)
+        if path is not None:  # POSIX append: one short write per line
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write(line)
+        else:
+            try:
+                old = self.rundir.storage.read_bytes(EVENTS)
+            except FileNotFoundError:
+                old = b""
+            self.rundir.storage.write_bytes_atomic(EVENTS, old + line.encode())
+        print(f"resume slurm: {kind}: {fields.get('reason', '')}".rstrip(": "), flush=True)
+
+    def _load_state(self) -> HookState:
+        try:
+            body = json.loads(self.rundir.storage.read_bytes(STATE))
+            return HookState(bad_nodes=list(body.get("bad_nodes", [])),
+                             failures=list(body.get("failures", [])),
+                             launches=int(body.get("launches", 0)))
+        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            return HookState()
+
+    def _save_state(self) -> None:
+        body = {"bad_nodes": self.state.bad_nodes, "failures": self.state.failures[-20:],
+                "launches": self.state.launches, "job": self.job.job_id}
+        self.rundir.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
+
+    def _latest_committed(self) -> int | None:
+        manifest, _ = self.rundir.find_latest()
+        return manifest.step if manifest is not None else None
+
+    def _install_handlers(self) -> None:
+        def flag(signum: int, frame: Any) -> None:
+            self._signal = signum
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, flag)
+

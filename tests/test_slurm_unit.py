@@ -1,0 +1,275 @@
+"""The Slurm boundary and the requeue hook's decisions, with Slurm and srun injected.
+
+The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+from resume.cluster.hook import EXIT_CRASH_LOOP, HookConfig, Supervisor
+from resume.cluster.slurm import (
+    NotInAllocationError,
+    Slurm,
+    SlurmError,
+    SlurmJob,
+    parse_nodelist,
+)
+from resume.cluster.template import SbatchTemplate
+
+from resume.control import answer_request, pending_requests
+from resume.errors import UsageError
+from resume.run import Run
+
+
+@pytest.mark.parametrize("text, nodes", [
+    ("n1", ["n1"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[1-2,5],login", ["n1", "n2", "n5", "login"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+    ("rack1-n[1,3]", ["rack1-n1", "rack1-n3"]),
+    ("a[1-2]b,c", ["a1b", "a2b", "c"]),
+])
+def test_node_lists_expand(text, nodes):
+    assert parse_nodelist(text) == nodes
+
+
+@pytest.mark.parametrize("text", ["n[1-", "n[3-1]", "n[a-b]"])
+def test_bad_node_lists_are_usage_errors(text):
+    with pytest.raises(UsageError, match="node list"):
+        parse_nodelist(text)
+
+
+def test_outside_an_allocation_is_exit_7():
+    with pytest.raises(NotInAllocationError) as info:
+        SlurmJob.from_env({})
+    assert info.value.exit_code == 7
+    job = SlurmJob.from_env({"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "n[1-2]",
+                             "SLURM_RESTART_COUNT": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (job.job_id, job.nodes, job.restart_count, job.tasks_per_node) == ("12", ["n1", "n2"], 2, 4)
+
+
+def test_slurm_commands_are_retried_a_bounded_number_of_times():
+    calls, sleeps = [], []
+
+    def flaky(args, **kwargs):
+        calls.append(args)
+        if len(calls) < 3:
+            raise subprocess.TimeoutExpired(args, kwargs["timeout"])
+        return subprocess.CompletedProcess(args, 0, "ok\n", "")
+
+    assert Slurm(run=flaky, sleep=sleeps.append, attempts=3).call("scontrol", "ping") == "ok\n"
+    assert len(calls) == 3 and sleeps == [2.0, 4.0]
+
+    def broken(args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Unable to contact\n")
+
+    with pytest.raises(SlurmError, match="Unable to contact.*after 2 tries"):
+        Slurm(run=broken, sleep=lambda s: None, attempts=2).call("scontrol", "show", "job")
+
+
+# -- the hook ------------------------------------------------------------------------------
+
+
+class FakeSlurm(Slurm):
+    def __init__(self, states=None):
+        super().__init__(run=None, sleep=lambda s: None)
+        self.states = states or {}
+        self.calls = []
+
+    def node_states(self, nodes):
+        return {n: self.states.get(n, "allocated") for n in nodes}
+
+    def node_addresses(self, nodes):
+        return {n: "127.0.0.1" for n in nodes}
+
+    def call(self, *args):
+        self.calls.append(args)
+        return ""
+
+
+class FakeStep:
+    def __init__(self, rc, on_start=None, run_forever=False):
+        self.rc = rc
+        self.returncode = None
+        self.run_forever = run_forever
+        self.signals = []
+        if on_start:
+            on_start()
+
+    def poll(self):
+        if self.run_forever and not self.signals:
+            return None
+        self.returncode = self.rc if not self.signals else -self.signals[-1]
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
+class Launcher:
+    """Plays srun: each launch returns the next scripted step."""
+
+    def __init__(self, steps):
+        self.steps = list(steps)
+        self.launches = []
+
+    def __call__(self, cmd, env):
+        self.launches.append({"cmd": cmd, "env": env})
+        return self.steps.pop(0)()
+
+
+def hook(tmp_path, nodes, launcher, *, spares=0, states=None, **kw):
+    cfg = HookConfig(run_url=str(tmp_path / "run"), command=["train"], global_batch=8, spares=spares,
+                     poll_s=0.01, **kw)
+    job = SlurmJob(job_id="42", nodes=nodes, restart_count=0)
+    slurm = FakeSlurm(states)
+    return Supervisor(cfg, job, slurm, popen=launcher, sleep=lambda s: None), slurm
+
+
+def events(tmp_path):
+    with open(tmp_path / "run" / "cluster" / "events.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def nodelist(launch):
+    return next(a for a in launch["cmd"] if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
+
+
+def test_finished_training_exits_0_without_requeue(tmp_path):
+    launcher = Launcher([lambda: FakeStep(0)])
+    sup, slurm = hook(tmp_path, ["n1", "n2"], launcher)
+    assert sup.run() == 0
+    assert [e["event"] for e in events(tmp_path)] == ["start", "launch", "finished"]
+    assert not any(c[:2] == ("scontrol", "requeue") for c in slurm.calls)
+    assert launcher.launches[0]["cmd"][:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert launcher.launches[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_failed_node_is_replaced_by_a_spare_inside_the_allocation(tmp_path):
+    launcher = Launcher([lambda: FakeStep(1), lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2", "n3"], launcher, spares=1, states={"n2": "down*"})
+    assert sup.run() == 0
+    assert nodelist(launcher.launches[0]) == ["n1", "n2"]
+    assert nodelist(launcher.launches[1]) == ["n1", "n3"]
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds == ["start", "launch", "nodes_failed", "relaunch_on_spares", "launch", "finished"]
+    assert json.loads((tmp_path / "run" / "cluster" / "hook.json").read_text())["bad_nodes"] == ["n2"]
+
+
+def test_without_a_spare_the_job_shrinks_to_the_next_valid_size(tmp_path):
+    launcher = Launcher([lambda: FakeStep(1), lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2", "n3", "n4"], launcher, states={"n3": "down"})
+    assert sup.run() == 0
+    assert nodelist(launcher.launches[1]) == ["n1", "n2"]  # 3 healthy: 3 does not divide 8
+    shrink = next(e for e in events(tmp_path) if e["event"] == "shrink")
+    assert (shrink["from_dp"], shrink["to_dp"]) == (4, 2)
+    assert launcher.launches[1]["env"]["RESUME_DP"] == "2"
+
+
+def test_no_valid_size_left_requeues_excluding_the_bad_nodes(tmp_path):
+    launcher = Launcher([lambda: FakeStep(1)])
+    sup, slurm = hook(tmp_path, ["n1"], launcher, states={"n1": "drained"})
+    assert sup.run() == 0
+    assert ("scontrol", "update", "jobid=42", "ExcNodeList=n1") in slurm.calls
+    assert slurm.calls[-1] == ("scontrol", "release", "42")
+    assert events(tmp_path)[-1]["event"] == "requeue_excluding"
+
+
+def test_the_same_failure_again_and_again_stops_the_requeueing(tmp_path):
+    launcher = Launcher([lambda: FakeStep(1)] * 3)
+    sup, slurm = hook(tmp_path, ["n1", "n2"], launcher, crash_loop=3)
+    assert sup.run() == EXIT_CRASH_LOOP
+    assert [e["event"] for e in events(tmp_path)].count("step_failed") == 2
+    assert events(tmp_path)[-1]["event"] == "crash_loop"
+    assert not any("requeue" in c[1] for c in slurm.calls)
+
+
+def test_failures_with_progress_in_between_are_not_a_crash_loop(tmp_path):
+    run_dir = tmp_path / "run"
+
+    def commit_a_checkpoint():
+        from resume.checksum import checksum_bytes
+        from resume.manifest import FileEntry, Manifest
+        from resume.state import TrainState
+
+        run = Run.open(str(run_dir), create=True)
+        step = len(run.step_dirs()) + 1
+        run.storage.write_bytes_atomic(f"step-{step:09d}/x", b"x")
+        run.write_manifest(Manifest(step=step, train_state=TrainState(iteration=step, updates_successful=step,
+                                                                    samples_read=8 * step),
+                                    files={"x": FileEntry(1, checksum_bytes(b"x"))}))
+
+    steps = [lambda: FakeStep(1, on_start=commit_a_checkpoint)] * 4 + [lambda: FakeStep(0)]
+    sup, _ = hook(tmp_path, ["n1", "n2"], Launcher(steps), crash_loop=3)
+    assert sup.run() == 0
+
+
+def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
+    run_dir = str(tmp_path / "run")
+    answered = []
+
+    def training_answers():
+        # The training job's rank 0: sees the request at a boundary, commits, answers.
+        run = Run.open(run_dir, create=True)
+        for _ in range(500):
+            requests = pending_requests(run)
+            if requests:
+                answer_request(run, requests[0], step=17)
+                answered.append(requests[0])
+                return
+            threading.Event().wait(0.01)
+
+    step = FakeStep(0, run_forever=True)
+
+    def start():
+        threading.Thread(target=training_answers, daemon=True).start()
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        return step
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=30, step_exit_s=0.05)
+        sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
+        assert sup.run() == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    assert answered and answered[0].stop is True
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds[:4] == ["start", "launch", "signal", "saved"]
+    assert kinds[-1] == "requeued"
+    assert ("scontrol", "requeue", "42") in slurm.calls
+    assert step.signals == [signal.SIGTERM]  # it did not leave by itself in 0.05 s
+
+
+def test_grace_budget_comes_from_measured_saves(tmp_path):
+    sup, _ = hook(tmp_path, ["n1"], Launcher([]))
+    assert sup._grace_budget() == 120.0  # nothing measured yet
+    from resume.checksum import checksum_bytes
+    from resume.manifest import FileEntry, Manifest
+    from resume.state import TrainState
+
+    sup.rundir.storage.write_bytes_atomic("step-000000005/x", b"x")
+    sup.rundir.write_manifest(Manifest(step=5, train_state=TrainState(iteration=5, updates_successful=5,
+                                                                   samples_read=40),
+                                    files={"x": FileEntry(1, checksum_bytes(b"x"))},
+                                    timing={"save_s": 20.0}))
+    assert sup._grace_budget() == 70.0
+
+
+def test_template_has_the_directives_the_hook_relies_on():
+    script = SbatchTemplate(run_url="/ckpt/run42", command=["python", "train.py", "--x", "a b"],
+                            nodes=648, tasks_per_node=8, nodes_per_replica=8, spares=8,
+                            global_batch=1920, grace_s=240, time="24:00:00").render()
+    for directive in ("--requeue", "--no-kill", "--signal=B:USR1@240", "--open-mode=append",
+                      "--nodes=648", "--ntasks-per-node=8", "--time=24:00:00"):
+        assert f"#SBATCH {directive}\n" in script
+    assert "resume.cli slurm run --run /ckpt/run42 --global-batch 1920" in script
+    assert script.rstrip().endswith("-- python train.py --x 'a b'")
+    assert "\nexec " in script
