@@ -91,7 +91,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(cfg: DrillConfig, *, run: str, every: int, trace: str, final: str, kill_at: int,
+def launch_ranks(cfg: DrillConfig, *, run: str, every: int, trace: str, final: str, kill_at: int,
             logs: str, tag: str) -> int:
     """Start all ranks; return rank 0's exit code (the others are killed once rank 0 is gone)."""
     port = _free_port()
@@ -164,7 +164,7 @@ def run_drill(cfg: DrillConfig, *, say: Callable[[str], None] = lambda s: None) 
 
     say(f"drill: reference run, {cfg.iterations} iterations on {cfg.ranks} ranks")
     ref_trace, ref_final = os.path.join(work, "reference.trace"), os.path.join(work, "reference.json")
-    _launch(cfg, run=os.path.join(work, "reference-run"), every=0, trace=ref_trace, final=ref_final,
+    launch_ranks(cfg, run=os.path.join(work, "reference-run"), every=0, trace=ref_trace, final=ref_final,
             kill_at=0, logs=logs, tag="reference")
     launches += 1
 
@@ -172,14 +172,14 @@ def run_drill(cfg: DrillConfig, *, say: Callable[[str], None] = lambda s: None) 
     trace, final = os.path.join(work, "drilled.trace"), os.path.join(work, "drilled.json")
     for n, kill_at in enumerate(kills, 1):
         say(f"drill: run {n}: SIGKILL at iteration {kill_at}")
-        rc = _launch(cfg, run=run, every=cfg.every, trace=trace, final=final, kill_at=kill_at,
+        rc = launch_ranks(cfg, run=run, every=cfg.every, trace=trace, final=final, kill_at=kill_at,
                      logs=logs, tag=f"segment{n}")
         launches += 1
         if rc != -signal.SIGKILL:
             raise RuntimeError(f"drill: segment {n}: expected rank 0 killed by SIGKILL, actual exit "
                                f"code {rc} (logs in {logs})")
     say(f"drill: run {len(kills) + 1}: resume and finish")
-    rc = _launch(cfg, run=run, every=cfg.every, trace=trace, final=final, kill_at=0, logs=logs,
+    rc = launch_ranks(cfg, run=run, every=cfg.every, trace=trace, final=final, kill_at=0, logs=logs,
                  tag="final")
     launches += 1
     if rc != 0:

@@ -23,6 +23,7 @@
 # job completions: DIR/jobcomp.log (read with `sacct -c`).
 
 set -u
+set +m # no job control: `setsid cmd &` must exec cmd itself, so $! is its pid
 
 NODES=(n1 n2 n3 n4)
 NODE_PORT0=17001
@@ -119,19 +120,43 @@ port_listening() {
     return 1
 }
 
-# Pids of slurmstepd processes (they double-fork away from slurmd) carrying
-# our marker in their environment.
+# Pids of daemons of this cluster that are not (or no longer) in DIR/pids, and
+# everything below them: slurmstepd double-forks away from slurmd and wipes
+# its environment, but keeps DIR/slurmd-nX.log open; a slurmd restarted by a
+# test keeps its log open too. Their descendants are the jobs' processes.
 stray_pids() {
-    local dir=$1 p
+    local dir=$1 p comm f roots=""
     for p in /proc/[0-9]*; do
         p=${p#/proc/}
-        [ "$p" = 1 ] && continue
-        # (a zombie or a vanished process has no readable environment)
-        if { tr '\0' '\n' <"/proc/$p/environ"; } 2>/dev/null \
-            | grep -qxF "SLURM_TEST_CLUSTER_DIR=$dir"; then
-            pid_alive "$p" && echo "$p"
-        fi
+        comm=$(cat "/proc/$p/comm" 2>/dev/null) || continue
+        case $comm in
+            slurmstepd | slurmd | slurmctld | slurmscriptd | munged) ;;
+            *) continue ;;
+        esac
+        pid_alive "$p" || continue
+        for f in /proc/"$p"/fd/*; do
+            case $(readlink "$f" 2>/dev/null) in
+                "$dir"/*)
+                    roots="$roots $p"
+                    break
+                    ;;
+            esac
+        done
     done
+    [ -n "$roots" ] || return 0
+    # add all descendants (pid -> ppid from /proc/*/stat)
+    for p in /proc/[0-9]*/stat; do
+        { cat "$p"; } 2>/dev/null
+    done | awk -v roots="$roots" '
+        { s = $0; sub(/^.*\) /, "", s); split(s, f, " ");
+          pid = $1; ppid[pid] = f[2]; st[pid] = f[1] }
+        END {
+          n = split(roots, r, " "); for (i = 1; i <= n; i++) keep[r[i]] = 1
+          do { changed = 0
+               for (q in ppid) if (!(q in keep) && (ppid[q] in keep)) { keep[q] = 1; changed = 1 }
+          } while (changed)
+          for (q in keep) if ((q in st) && st[q] != "Z") print q
+        }'
 }
 
 # ---------------------------------------------------------------- down
@@ -150,7 +175,14 @@ cmd_down() {
 
     # Cancel jobs first while the controller still runs, so job steps end
     # cleanly instead of being orphaned when their slurmd goes away.
-    if [ -f "$dir/slurm.conf" ] && [ "${#pids[@]}" -gt 1 ]; then
+    local ctld_alive=0
+    for pid in "${pids[@]}"; do
+        if pid_alive "$pid" && [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = slurmctld ] \
+            && pid_ours "$pid" "$dir"; then
+            ctld_alive=1
+        fi
+    done
+    if [ -f "$dir/slurm.conf" ] && [ "$ctld_alive" = 1 ]; then
         local jobs
         jobs=$(SLURM_CONF="$dir/slurm.conf" timeout 5 squeue -h -o %i 2>/dev/null | sort -u)
         if [ -n "$jobs" ]; then
@@ -186,11 +218,11 @@ cmd_down() {
             kill -KILL "$pid" 2>/dev/null || true
         fi
     done
-    # Leftover slurmstepd of this cluster (marker in their environment).
+    # Leftover step daemons and job processes of this cluster.
     local strays
     strays=$(stray_pids "$dir")
     if [ -n "$strays" ]; then
-        say "killing leftover step daemons: $(echo $strays)"
+        say "killing leftover step daemons / job processes: $(echo $strays)"
         # shellcheck disable=SC2086
         kill -KILL $strays 2>/dev/null || true
     fi
@@ -250,9 +282,11 @@ SelectTypeParameters=CR_Core
 
 JobRequeue=1
 ReturnToService=2
-# slurmctld pings nodes every SlurmdTimeout/3 s; a node set DOWN returns
-# (ReturnToService=2) on the next ping it answers: ~10 s here instead of up
-# to 100 s with the default 300. A killed slurmd is marked DOWN after 30-40 s.
+# slurmctld pings nodes every SlurmdTimeout/3 s. An idle node set DOWN comes
+# back (ReturnToService=2) when it answers a ping: 13-17 s here, ~95 s with
+# the default 300. (A node set DOWN while running a job answers the kill
+# request and is back within ~20 ms; use state=drain to keep it out.)
+# A slurmd killed with SIGKILL is marked DOWN after ~37 s.
 SlurmdTimeout=30
 MinJobAge=300
 KillWait=5
@@ -262,13 +296,16 @@ PartitionName=main Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
+declare -A DAEMON_NAME=()
+
 # Start "$@" detached (own session, no terminal, output to a file), record pid.
 start_daemon() {
     local dir=$1 name=$2 out=$3
     shift 3
-    SLURM_TEST_CLUSTER_DIR="$dir" setsid "$@" </dev/null >>"$out" 2>&1 &
+    setsid "$@" </dev/null >>"$out" 2>&1 &
     local pid=$!
     echo "$pid" >>"$dir/pids"
+    DAEMON_NAME[$pid]=$name
     say "started $name (pid $pid)"
 }
 
@@ -315,8 +352,15 @@ cmd_up() {
         die "TCP port(s) ${busy[*]} already in use (another Slurm cluster on this machine?); stop it first (cluster.sh down <its DIR>)"
     fi
 
-    # Fresh runtime files (only the names this script owns).
+    # Fresh runtime files (only the names this script owns). Refuse a DIR
+    # that has other content, so that a typo such as /tmp loses nothing.
+    if [ -d "$dir" ] && [ ! -e "$dir/.cluster-sh" ] \
+        && ! head -n 1 "$dir/slurm.conf" 2>/dev/null | grep -q 'tests/slurm/cluster.sh' \
+        && [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then
+        die "DIR $dir exists, is not empty and was not made by cluster.sh; use a new or empty folder"
+    fi
     mkdir -p "$dir" || die "cannot create $dir"
+    : >"$dir/.cluster-sh"
     chmod 0755 "$dir"
     rm -rf "$dir/munge" "$dir/msock" "$dir/state" "$dir/spool"
     rm -f "$dir"/slurm.conf "$dir"/pids "$dir"/*.log "$dir"/*.out "$dir"/*.pid
@@ -327,7 +371,7 @@ cmd_up() {
     for n in "${NODES[@]}"; do mkdir -p "$dir/spool/$n"; done
     : >"$dir/pids"
 
-    local t0=$SECONDS
+    local t0=$EPOCHREALTIME
     # ---- munge
     dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none \
         || die "cannot write munge key"
@@ -357,7 +401,7 @@ cmd_up() {
     local deadline=$((SECONDS + UP_TIMEOUT)) states idle pid
     while :; do
         while read -r pid; do
-            pid_alive "$pid" || fail_up "$dir" "daemon pid $pid ($(cat /proc/"$pid"/comm 2>/dev/null || echo gone)) exited during start"
+            pid_alive "$pid" || fail_up "$dir" "${DAEMON_NAME[$pid]:-daemon} (pid $pid) exited during start"
         done <"$dir/pids"
         states=$(timeout 5 sinfo -h -N -p main -o '%N %t' 2>/dev/null)
         idle=$(printf '%s\n' "$states" | awk '$2=="idle"' | sort -u | wc -l)
@@ -367,7 +411,7 @@ cmd_up() {
         fi
         sleep 0.2
     done
-    say "cluster up in $((SECONDS - t0))s: $(echo $states)"
+    say "cluster up in $(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.1f", b - a}') s: $(echo $states)"
     echo "export SLURM_CONF=$dir/slurm.conf"
 }
 
