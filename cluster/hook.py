@@ -124,6 +124,7 @@ class Supervisor:
         self._install_handlers()
         self.event("start", restart_count=self.job.restart_count, nodes=self.job.nodes,
                    planned_dp=self.planned_dp, bad_nodes=self.state.bad_nodes)
+        self._forget_recovered_nodes()
         while True:
             chosen = self._choose_nodes()
             if chosen is None:
@@ -162,6 +163,21 @@ class Supervisor:
                           f"valid data-parallel size keeping global batch {self.cfg.global_batch}")
                 self.event("shrink", from_dp=self.planned_dp, to_dp=dp, nodes=nodes, reason=reason)
         return dp, nodes
+
+    def _forget_recovered_nodes(self) -> None:
+        """Nodes recorded bad that Slurm now reports healthy are used again (growing back)."""
+        if not self.state.bad_nodes:
+            return
+        try:
+            states = self.slurm.node_states(self.state.bad_nodes)
+        except SlurmError as e:
+            self.event("node_states_unknown", reason=str(e))
+            return
+        back = [n for n in self.state.bad_nodes if n in states and not is_bad_state(states[n])]
+        if back:
+            self.state.bad_nodes = [n for n in self.state.bad_nodes if n not in back]
+            self._save_state()
+            self.event("nodes_back", nodes=back, reason="Slurm reports them healthy again")
 
     def _after_failure(self, rc: int, nodes: list[str]) -> int | None:
         committed = self._latest_committed()

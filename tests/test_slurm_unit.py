@@ -273,3 +273,16 @@ def test_template_has_the_directives_the_hook_relies_on():
     assert "resume.cli slurm run --run /ckpt/run42 --global-batch 1920" in script
     assert script.rstrip().endswith("-- python train.py --x 'a b'")
     assert "\nexec " in script
+
+
+def test_nodes_recorded_bad_are_used_again_once_healthy(tmp_path):
+    first = Launcher([lambda: FakeStep(1), lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2", "n3", "n4"], first, states={"n3": "down"})
+    assert sup.run() == 0
+    assert nodelist(first.launches[1]) == ["n1", "n2"]
+    # Requeued later, n3 repaired: the job grows back to 4.
+    again = Launcher([lambda: FakeStep(0)])
+    sup2, _ = hook(tmp_path, ["n1", "n2", "n3", "n4"], again, states={"n3": "idle"})
+    assert sup2.run() == 0
+    assert nodelist(again.launches[0]) == ["n1", "n2", "n3", "n4"]
+    assert any(e["event"] == "nodes_back" and e["nodes"] == ["n3"] for e in events(tmp_path))
