@@ -131,7 +131,13 @@ class Supervisor:
                 return self._requeue_excluding("not enough healthy nodes for any valid data-parallel size")
             dp, nodes = chosen
             proc = self._launch(dp, nodes)
-            outcome = self._supervise(proc)
+            try:
+                outcome = self._supervise(proc)
+            except BaseException:
+                # Never leave the step running unsupervised: if the hook dies, so does it.
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                raise
             if outcome == "signal":
                 return self._save_stop_requeue(proc)
             rc = proc.returncode

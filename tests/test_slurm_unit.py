@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -286,3 +287,33 @@ def test_nodes_recorded_bad_are_used_again_once_healthy(tmp_path):
     assert sup2.run() == 0
     assert nodelist(again.launches[0]) == ["n1", "n2", "n3", "n4"]
     assert any(e["event"] == "nodes_back" and e["nodes"] == ["n3"] for e in events(tmp_path))
+
+
+def test_missing_slurm_commands_are_exit_6():
+    from resume.cluster.slurm import SlurmMissingError
+
+    with pytest.raises(SlurmMissingError, match="scontrol, srun, sinfo") as info:
+        Slurm(which=lambda name: None).check_installed()
+    assert info.value.exit_code == 6
+
+
+def test_slurm_run_outside_an_allocation_exits_7_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "slurm", "run", "--run", str(tmp_path),
+                           "--global-batch", "8", "--", "true"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 7
+    assert proc.stderr.strip().startswith("resume: error: SLURM_JOB_ID") and "\n" not in proc.stderr.strip()
+
+
+def test_a_hook_that_dies_takes_its_step_down(tmp_path):
+    step = FakeStep(0, run_forever=True)
+    sup, _ = hook(tmp_path, ["n1"], Launcher([lambda: step]))
+
+    def explode(seconds):
+        raise KeyboardInterrupt
+
+    sup.sleep = explode
+    with pytest.raises(KeyboardInterrupt):
+        sup.run()
+    assert step.signals == [signal.SIGTERM]
