@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from resume.control import post_save_request, wait_for_answer
+from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
 from resume.run import Run, utc_now
 
@@ -42,6 +42,8 @@ __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 EXIT_CRASH_LOOP = 5
 EXIT_UNRECOVERABLE = 1
 EVENTS = "cluster/events.jsonl"
+STOP_MARGIN_S = 30.0
+"""Of the signal's lead time, what is kept for stopping the step and requeueing."""
 STATE = "cluster/hook.json"
 
 
@@ -125,6 +127,7 @@ class Supervisor:
         self.event("start", restart_count=self.job.restart_count, nodes=self.job.nodes,
                    planned_dp=self.planned_dp, bad_nodes=self.state.bad_nodes)
         self._forget_recovered_nodes()
+        self._withdraw_stale_requests()
         while True:
             chosen = self._choose_nodes()
             if chosen is None:
@@ -138,7 +141,9 @@ class Supervisor:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
                 raise
-            if outcome == "signal":
+            if outcome == "signal" or self._signal is not None:
+                # Preemption signals the hook and the step together: a step that
+                # ended first is not a failure to relaunch, it is a requeue.
                 return self._save_stop_requeue(proc)
             rc = proc.returncode
             if rc == 0:
@@ -187,14 +192,6 @@ class Supervisor:
 
     def _after_failure(self, rc: int, nodes: list[str]) -> int | None:
         committed = self._latest_committed()
-        self.state.failures.append({"at": utc_now(), "exit_code": rc, "committed_step": committed})
-        recent = self.state.failures[-self.cfg.crash_loop:]
-        if len(recent) == self.cfg.crash_loop and len({f["committed_step"] for f in recent}) == 1:
-            self._save_state()
-            self.event("crash_loop", failures=len(recent), committed_step=committed,
-                       reason=f"{len(recent)} failures in a row without a new checkpoint (last "
-                              f"committed step {committed}); not requeueing")
-            return EXIT_CRASH_LOOP
         try:
             states = self.slurm.node_states(self.job.nodes)
         except SlurmError as e:
@@ -202,36 +199,61 @@ class Supervisor:
             self.event("node_states_unknown", reason=str(e))
         bad = sorted(n for n in nodes if is_bad_state(states.get(n, "")))
         if bad:
+            # Hardware: not the job's fault, so not part of a crash loop.
             self.state.bad_nodes = sorted(set(self.state.bad_nodes) | set(bad))
+            self._save_state()
             self.event("nodes_failed", exit_code=rc, nodes=bad, states={n: states[n] for n in bad},
                        committed_step=committed, reason="the step failed and Slurm reports these nodes bad")
-        else:
-            self.event("step_failed", exit_code=rc, committed_step=committed,
-                       reason="the step failed on healthy nodes: relaunch in place")
+            return None
+        self.state.failures.append({"at": utc_now(), "exit_code": rc, "committed_step": committed})
         self._save_state()
+        recent = self.state.failures[-self.cfg.crash_loop:]
+        if len(recent) == self.cfg.crash_loop and len({f["committed_step"] for f in recent}) == 1:
+            self.event("crash_loop", failures=len(recent), committed_step=committed,
+                       reason=f"{len(recent)} failures in a row on healthy nodes without a new "
+                              f"checkpoint (last committed step {committed}); not requeueing")
+            return EXIT_CRASH_LOOP
+        self.event("step_failed", exit_code=rc, committed_step=committed,
+                   reason="the step failed on healthy nodes: relaunch in place")
         return None
 
     def _save_stop_requeue(self, proc: Any) -> int:
         name = signal.Signals(self._signal).name if self._signal else "signal"
-        budget = self._grace_budget()
-        self.event("signal", signal=name, grace_s=budget,
+        # Everything (save, stop, requeue) must fit before Slurm's kill: the
+        # lead time is the template's --grace; STOP_MARGIN_S of it is for stopping.
+        started = self.clock()
+        lead = self.cfg.grace_s
+        save_wait = self._grace_budget() if lead is None else max(1.0, lead - STOP_MARGIN_S)
+        self.event("signal", signal=name, save_wait_s=save_wait, lead_s=lead,
                    reason="time limit ahead or preemption: save, stop, requeue")
-        request = post_save_request(self.rundir, stop=True, reason=f"slurm hook: {name}")
-
-        def watch(remaining: float) -> None:
-            if proc.poll() is not None:
-                raise _StepEnded()
-
-        try:
-            step = wait_for_answer(self.rundir, request, timeout=budget, poll=self.cfg.poll_s,
-                                   clock=self.clock, sleep=self.sleep, on_wait=watch)
-            self.event("saved", step=step, reason="checkpoint committed after the signal")
-        except _StepEnded:
+        saved = False
+        if proc.poll() is not None:
             self.event("save_skipped", exit_code=proc.returncode,
-                       reason="the step ended before it answered the save request")
-        except ResumeError as e:
-            self.event("save_failed", reason=str(e))
-        self._stop_step(proc)
+                       reason="the step had already ended: requeue from the last checkpoint")
+        else:
+            request = post_save_request(self.rundir, stop=True, reason=f"slurm hook: {name}")
+
+            def watch(remaining: float) -> None:
+                if proc.poll() is not None:
+                    raise _StepEnded()
+
+            try:
+                step = wait_for_answer(self.rundir, request, timeout=save_wait, poll=self.cfg.poll_s,
+                                       clock=self.clock, sleep=self.sleep, on_wait=watch)
+                saved = True
+                self.event("saved", step=step, reason="checkpoint committed after the signal")
+            except _StepEnded:
+                self.event("save_skipped", exit_code=proc.returncode,
+                           reason="the step ended before it answered the save request")
+            except ResumeError as e:
+                self.event("save_failed", reason=str(e))
+            finally:
+                if not saved:  # a stale stop request would end the requeued run early
+                    withdraw_request(self.rundir, request)
+        spent = self.clock() - started
+        exit_wait = self.cfg.step_exit_s if lead is None else \
+            max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
+        self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
         self._save_state()
         try:
@@ -243,18 +265,27 @@ class Supervisor:
         return 0
 
     def _requeue_excluding(self, reason: str) -> int:
-        bad = self.state.bad_nodes
-        self.event("requeue_excluding", nodes=bad, reason=reason)
+        # A plain requeue: the nodes recorded bad are down or drained, which
+        # Slurm does not allocate. (requeuehold would TERM this very hook.)
+        self.event("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
         self._save_state()
         try:
-            self.slurm.call("scontrol", "requeuehold", self.job.job_id)
-            if bad:
-                self.slurm.exclude_nodes(self.job.job_id, bad)
-            self.slurm.call("scontrol", "release", self.job.job_id)
+            self.slurm.requeue(self.job.job_id)
         except SlurmError as e:
             self.event("requeue_failed", reason=str(e))
             return EXIT_UNRECOVERABLE
         return 0
+
+    def _withdraw_stale_requests(self) -> None:
+        """Stop requests of an earlier hook that nobody answered must not stop this run."""
+        try:
+            stale = [r for r in pending_requests(self.rundir) if r.reason.startswith("slurm hook:")]
+            for request in stale:
+                withdraw_request(self.rundir, request)
+                self.event("stale_request_withdrawn", request=request.request_id,
+                           reason="a save request of an earlier hook was never answered")
+        except OSError as e:
+            self.event("control_unreadable", reason=str(e))
 
     def _grace_budget(self) -> float:
         if self.cfg.grace_s is not None:
@@ -298,16 +329,16 @@ class Supervisor:
             self.sleep(self.cfg.poll_s)
         return "exited"
 
-    def _stop_step(self, proc: Any) -> None:
-        deadline = self.clock() + self.cfg.step_exit_s
+    def _stop_step(self, proc: Any, *, wait_s: float) -> None:
+        deadline = self.clock() + wait_s
         while proc.poll() is None and self.clock() < deadline:
             self.sleep(self.cfg.poll_s)
-        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        for sig, patience in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
             if proc.poll() is not None:
                 break
             self.event("stop_step", signal=sig.name, reason="the step did not leave by itself")
             proc.send_signal(sig)
-            deadline = self.clock() + wait_s
+            deadline = self.clock() + patience
             while proc.poll() is None and self.clock() < deadline:
                 self.sleep(self.cfg.poll_s)
         self.event("step_ended", exit_code=proc.poll())
@@ -334,8 +365,9 @@ class Supervisor:
     def _load_state(self) -> HookState:
         try:
             body = json.loads(self.rundir.storage.read_bytes(STATE))
+            same_job = body.get("job") == self.job.job_id  # requeues keep the job id
             return HookState(bad_nodes=list(body.get("bad_nodes", [])),
-                             failures=list(body.get("failures", [])),
+                             failures=list(body.get("failures", [])) if same_job else [],
                              launches=int(body.get("launches", 0)))
         except (FileNotFoundError, ValueError, TypeError, AttributeError):
             return HookState()

@@ -67,6 +67,11 @@ class Layout:
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise UsageError(f"layout: tp: expected a divisor of gpus_per_node {self.gpus_per_node} "
                              f"(tensor parallelism stays inside a node), actual {self.tp}")
+        if (self.tp * self.cp) % self.gpus_per_node:
+            # Megatron's order puts consecutive dp ranks on one node otherwise, so one
+            # failed node would take several replicas out; not modelled here.
+            raise UsageError(f"layout: tp x cp: expected a multiple of gpus_per_node "
+                             f"{self.gpus_per_node} (one replica slice per node), actual {self.tp * self.cp}")
         if self.global_batch % self.micro_batch:
             raise UsageError(f"layout: global_batch: expected a multiple of micro_batch "
                              f"{self.micro_batch}, actual {self.global_batch}")

@@ -4,7 +4,9 @@ The 640-node run cannot be run here, so it is simulated. Every node fails
 independently (exponential or Weibull times between failures, renewed when a
 node is replaced); a failure loses the work since the last committed
 checkpoint and costs a restart: on a hot spare inside the allocation when one
-is free, otherwise a requeue (queue wait + restart). Failed nodes come back
+is free, otherwise (as the hook does) a relaunch on fewer replicas, slower
+until the job's next requeue brings full size back, or, with
+``no_spare='requeue'``, a requeue (queue wait + restart). Failed nodes come back
 after a repair time and refill the spare pool. Training alternates
 ``interval`` seconds of work with a checkpoint stall of ``stall`` seconds.
 
@@ -54,18 +56,38 @@ class Assumptions:
     """No spare free: requeue excluding the bad node, wait in the queue, load."""
     repair_s: float = 3 * DAY
     """Until a failed node is back (it then joins the spare pool)."""
+    no_spare: str = "shrink"
+    """No spare free: 'shrink' (what the hook does: fewer replicas until the next requeue)
+    or 'requeue' (queue wait and restart at full size)."""
+    shrink_factor: float = 64 / 80
+    """Speed after a shrink relative to full size (reference: DP 80 -> 64)."""
+    requeue_every_s: float = DAY
+    """The job's time limit: each requeue starts at full size again."""
     days: float = 90.0
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.no_spare not in ("shrink", "requeue"):
+            raise UsageError(f"simulate: no_spare: expected 'shrink' or 'requeue', actual {self.no_spare!r}")
+        if not 0 < self.shrink_factor <= 1 or not self.requeue_every_s > 0:
+            raise UsageError("simulate: shrink_factor: expected 0 < f <= 1 and requeue_every_s > 0, "
+                             f"actual {self.shrink_factor}, {self.requeue_every_s}")
         if self.distribution not in ("exponential", "weibull"):
             raise UsageError(f"distribution: expected 'exponential' or 'weibull', actual {self.distribution!r}")
-        for name in ("nodes", "node_mtbf_s", "days", "weibull_shape"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"{name}: expected > 0, actual {getattr(self, name)}")
-        for name in ("spares", "stall_s", "restart_spare_s", "restart_requeue_s", "repair_s"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{name}: expected >= 0, actual {getattr(self, name)}")
+        for name in ("nodes", "node_mtbf_s", "days", "weibull_shape", "stall_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise UsageError(f"simulate: {name}: expected a finite number > 0, actual {value}")
+        for name in ("spares", "restart_spare_s", "restart_requeue_s", "repair_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"simulate: {name}: expected a finite number >= 0, actual {value}")
+        if not 0.1 <= self.weibull_shape <= 10:
+            raise UsageError(f"simulate: weibull_shape: expected 0.1..10, actual {self.weibull_shape}")
+        expected = self.days * DAY / self.system_mtbf_s
+        if expected > 50_000:
+            raise UsageError(f"simulate: node_mtbf_s: expected at most 50,000 job failures in "
+                             f"{self.days:g} days, actual about {expected:,.0f} (MTBF too short)")
 
     @property
     def system_mtbf_s(self) -> float:
@@ -106,6 +128,17 @@ def failure_times(a: Assumptions) -> list[tuple[float, bool]]:
     rng = random.Random(a.seed)
     horizon = a.days * DAY
     clocks = [(_draw(rng, a), n) for n in range(a.nodes)]
+    if a.distribution == "weibull":
+        # Nodes have been in service a while when the run starts: roll each
+        # node's renewal process forward from far in the past, so the run sees
+        # the steady failure rate 1/MTBF, not the burst of brand-new nodes.
+        warmup = 5 * a.node_mtbf_s
+        clocks = []
+        for n in range(a.nodes):
+            t = -warmup + _draw(rng, a)
+            while t < 0:
+                t += _draw(rng, a)
+            clocks.append((t, n))
     heapq.heapify(clocks)
     spares_free = a.spares
     repairs: list[float] = []
@@ -136,28 +169,43 @@ def simulate(a: Assumptions, interval_s: float, failures: list[tuple[float, bool
     cycle = interval_s + a.stall_s
     useful = lost = restarts = stalls = 0.0
     t = 0.0
+    slow_until = 0.0  # shrunk (fewer replicas) until the next requeue gives full size back
     without_spare = 0
 
     def run_until(end: float) -> tuple[float, float, float]:
-        """Committed work, uncommitted work and stall time from t (fresh start) to end."""
+        """Committed work, uncommitted work and stall time from t (fresh start) to end,
+        work counted at full-size speed (a shrunk stretch at ``shrink_factor``)."""
         span = max(0.0, end - t)
         full = math.floor(span / cycle)
         rest = span - full * cycle
-        return full * interval_s, min(rest, interval_s), full * a.stall_s + max(0.0, rest - interval_s)
+        slow = max(0.0, min(end, slow_until) - t)
+        speed = 1.0 if span == 0 else (slow * a.shrink_factor + (span - slow)) / span
+        return (full * interval_s * speed, min(rest, interval_s) * speed,
+                full * a.stall_s + max(0.0, rest - interval_s))
+
+    def restart_after(when: float, has_spare: bool) -> float:
+        nonlocal slow_until
+        if has_spare:
+            return a.restart_spare_s
+        if a.no_spare == "shrink":
+            # Relaunch inside the allocation on fewer replicas until the job's
+            # next requeue (its time limit) brings a full-size allocation back.
+            slow_until = max(slow_until, (math.floor(when / a.requeue_every_s) + 1) * a.requeue_every_s)
+            return a.restart_spare_s
+        return a.restart_requeue_s
 
     for when, has_spare in failures:
+        without_spare += not has_spare
         if when < t:  # failed while restarting: the restart starts over
-            restart = a.restart_spare_s if has_spare else a.restart_requeue_s
+            restart = restart_after(when, has_spare)
             restarts += (when + restart) - t
             t = when + restart
-            without_spare += not has_spare
             continue
         committed, uncommitted, stalled = run_until(when)
         useful += committed
         lost += uncommitted
         stalls += stalled
-        restart = a.restart_spare_s if has_spare else a.restart_requeue_s
-        without_spare += not has_spare
+        restart = restart_after(when, has_spare)
         restarts += restart
         t = when + restart
     if t < horizon:

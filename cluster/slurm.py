@@ -181,8 +181,10 @@ class Slurm:
         return addresses
 
 
-BAD_STATES = ("down", "drain", "fail", "not_responding", "no_respond", "maint", "reboot", "unknown")
+BAD_STATES = ("down", "drain", "fail", "not_responding", "no_respond", "maint", "reboot", "unknown",
+              "inval")
 
 
 def is_bad_state(state: str) -> bool:
-    return any(s in state for s in BAD_STATES)
+    """Down, drained, failing, or not responding (sinfo marks that with a trailing ``*``)."""
+    return state.endswith("*") or any(s in state for s in BAD_STATES)

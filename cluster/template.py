@@ -46,7 +46,7 @@ class SbatchTemplate:
                 "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
                 "--nodes-per-replica", str(self.nodes_per_replica),
                 "--tasks-per-node", str(self.tasks_per_node), "--spares", str(self.spares),
-                "--", *self.command]
+                "--grace", str(self.grace_s), "--", *self.command]
         lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
                  "# The hook is the batch script's main process (exec): it receives USR1/TERM,",
                  "# starts the training step with srun, saves, relaunches on spares, shrinks,",

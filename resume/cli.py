@@ -369,8 +369,9 @@ def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int,
 
     layout = Layout(nodes=nodes, gpus_per_node=gpus_per_node, tp=tp, pp=pp, cp=cp, spares=spares,
                     global_batch=global_batch, micro_batch=micro_batch)
+    shrunk = layout.shrink_after(spares + 1)
     sim = Assumptions(nodes=layout.dp * layout.nodes_per_replica, gpus_per_node=gpus_per_node,
-                      spares=spares)
+                      spares=spares, shrink_factor=max(shrunk, 1) / layout.dp)
     best, yd = best_interval(sim)
     recommended, _ = plan_spares(sim, best.interval_s)
     body = {**layout.to_dict(), "checkpoint_interval_s": round(best.interval_s),
@@ -417,21 +418,30 @@ def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int,
 @click.option("--restart-spare-s", type=float, default=600.0, show_default=True)
 @click.option("--restart-requeue-s", type=float, default=1800.0, show_default=True)
 @click.option("--repair-hours", type=float, default=72.0, show_default=True)
+@click.option("--no-spare", type=click.Choice(["shrink", "requeue"]), default="shrink",
+              show_default=True, help="With no spare free: run on fewer replicas until the next "
+                                      "requeue (the hook's policy), or requeue at once.")
+@click.option("--shrink-factor", type=float, default=0.8, show_default=True,
+              help="Speed on fewer replicas (DP 64 / 80 for the reference).")
+@click.option("--time-limit-hours", type=float, default=24.0, show_default=True,
+              help="The job's time limit: each requeue starts at full size again.")
 @click.option("--days", type=float, default=90.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @json_option
 @command
 def simulate(nodes: int, spares: int, node_mtbf_hours: float | None, distribution: str,
              weibull_shape: float, stall_s: float, restart_spare_s: float, restart_requeue_s: float,
-             repair_hours: float, days: float, seed: int, as_json: bool) -> int:
+             repair_hours: float, no_spare: str, shrink_factor: float, time_limit_hours: float,
+             days: float, seed: int, as_json: bool) -> int:
     """Simulate failures of a long run: goodput, work lost, best checkpoint interval, spares."""
     from .cluster.simulate import Assumptions, report
 
     kwargs = {} if node_mtbf_hours is None else {"node_mtbf_s": node_mtbf_hours * 3600}
     a = Assumptions(nodes=nodes, spares=spares, distribution=distribution, weibull_shape=weibull_shape,
                     stall_s=stall_s, restart_spare_s=restart_spare_s,
-                    restart_requeue_s=restart_requeue_s, repair_s=repair_hours * 3600, days=days,
-                    seed=seed, **kwargs)
+                    restart_requeue_s=restart_requeue_s, repair_s=repair_hours * 3600,
+                    no_spare=no_spare, shrink_factor=shrink_factor,
+                    requeue_every_s=time_limit_hours * 3600, days=days, seed=seed, **kwargs)
     r = report(a)
     if as_json:
         _emit_json(r)
@@ -483,8 +493,9 @@ def hook_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @hook_options
 @click.option("--crash-loop", type=int, default=3, show_default=True,
               help="Failures in a row without a new checkpoint that stop the requeueing.")
-@click.option("--grace", type=float, default=None,
-              help="Seconds to wait for the save after USR1/TERM [default: from measured saves].")
+@click.option("--grace", type=click.FloatRange(min=1), default=None,
+              help="Seconds between USR1/TERM and Slurm's kill: save, stop and requeue fit in it "
+                   "[default: wait for the save as long as measured saves need].")
 @click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                 metavar="-- COMMAND...")
 @command
@@ -507,7 +518,7 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
 @slurm.command(context_settings={"ignore_unknown_options": True})
 @hook_options
 @click.option("--nodes", type=int, required=True, help="Nodes of the allocation, spares included.")
-@click.option("--grace", type=int, default=None,
+@click.option("--grace", type=click.IntRange(min=60), default=None,
               help="Seconds before the time limit for USR1 [default: from measured saves, else 300].")
 @click.option("--time", "time_limit", default=None, help="Slurm --time.")
 @click.option("--partition", default=None)
@@ -523,8 +534,13 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
              partition: str | None, job_name: str, output: str, out_file: str | None,
              command_args: tuple[str, ...]) -> int:
     """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook."""
+    from .cluster.hook import HookConfig
     from .cluster.template import SbatchTemplate
 
+    # The hook's own checks, now rather than inside the allocation.
+    HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
+               micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
+               tasks_per_node=tasks_per_node, spares=spares)
     if nodes < nodes_per_replica + spares:
         raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
                          f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")

@@ -29,10 +29,12 @@ RESULT_SUFFIX = ".result"
 class SaveRequest:
     request_id: str
     stop: bool = False
+    reason: str = ""
 
 
 def post_save_request(run: Run, *, stop: bool = False, reason: str = "resume save") -> SaveRequest:
-    request = SaveRequest(request_id=f"save-{int(time.time())}-{uuid.uuid4().hex[:8]}", stop=stop)
+    request = SaveRequest(request_id=f"save-{int(time.time())}-{uuid.uuid4().hex[:8]}", stop=stop,
+                          reason=reason)
     body = {"requested_at": utc_now(), "stop": stop, "reason": reason, "host": os.uname().nodename,
             "pid": os.getpid()}
     run.storage.write_bytes_atomic(join(CONTROL, request.request_id + REQUEST_SUFFIX),
@@ -53,10 +55,11 @@ def pending_requests(run: Run) -> list[SaveRequest]:
         request_id = name[: -len(REQUEST_SUFFIX)]
         try:
             body = json.loads(run.storage.read_bytes(join(CONTROL, name)))
-            stop = bool(body.get("stop", False)) if isinstance(body, dict) else False
-        except (FileNotFoundError, ValueError):
-            continue  # withdrawn, or being written: look again at the next boundary
-        requests.append(SaveRequest(request_id, stop))
+            if not isinstance(body, dict):
+                continue
+        except (OSError, ValueError):
+            continue  # withdrawn, being written, or not a file: look again at the next boundary
+        requests.append(SaveRequest(request_id, bool(body.get("stop", False)), str(body.get("reason", ""))))
     return requests
 
 
@@ -64,6 +67,11 @@ def answer_request(run: Run, request: SaveRequest, *, step: int | None, error: s
     body = {"answered_at": utc_now(), "step": step, "error": error}
     run.storage.write_bytes_atomic(join(CONTROL, request.request_id + RESULT_SUFFIX),
                                    json.dumps(body).encode())
+    run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
+
+
+def withdraw_request(run: Run, request: SaveRequest) -> None:
+    """Take back a request nobody answered (the job may see it later and act on it)."""
     run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
 
 
@@ -87,7 +95,7 @@ def wait_for_answer(run: Run, request: SaveRequest, *, timeout: float, poll: flo
             return int(body["step"])
         remaining = deadline - clock()
         if remaining <= 0:
-            run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
+            withdraw_request(run, request)
             raise SaveTimeoutError(f"{run.url}: expected a checkpoint committed within {timeout:g}s "
                                    "of the save request, actual none (is the job running?)")
         if on_wait is not None:

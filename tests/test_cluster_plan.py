@@ -48,6 +48,7 @@ def test_valid_shrink_sizes_divide_the_global_batch():
     ({"tp": 8, "pp": 3, "gpus_per_node": 16}, "tp x cp x pp"),
     ({"global_batch": 1921, "micro_batch": 2}, "global_batch"),
     ({"spares": 640}, "spares"),
+    ({"nodes": 16, "tp": 4, "pp": 2, "global_batch": 16}, "tp x cp"),
 ])
 def test_layouts_that_do_not_fit_are_usage_errors(kwargs, field):
     with pytest.raises(UsageError, match=f"layout: {field}"):
@@ -106,3 +107,28 @@ def test_plan_rejects_a_layout_that_does_not_fit_with_exit_2():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("resume: error: layout: nodes: expected at least 8")
+
+
+def test_without_spares_a_shrunk_stretch_costs_speed_until_the_next_requeue():
+    a = Assumptions(spares=0)
+    shrink = simulate(a, 1500)
+    full_speed = simulate(Assumptions(spares=0, shrink_factor=1.0), 1500)
+    assert shrink.goodput < full_speed.goodput
+    # A spare pool makes the policy irrelevant: with enough spares both agree.
+    many = Assumptions(spares=64)
+    assert simulate(many, 1500).goodput == simulate(Assumptions(spares=64, no_spare="requeue"), 1500).goodput
+
+
+def test_weibull_nodes_start_in_steady_state():
+    a = Assumptions(distribution="weibull", days=900)
+    n = len(failure_times(a))
+    assert abs(n / (a.days * 86400 / a.system_mtbf_s) - 1) < 0.15
+
+
+@pytest.mark.parametrize("args", [["--node-mtbf-hours", "inf"], ["--days", "nan"],
+                                  ["--weibull-shape", "0.001", "--distribution", "weibull"],
+                                  ["--node-mtbf-hours", "1"], ["--stall-s", "0"]])
+def test_simulate_bad_input_is_a_usage_error(args):
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "simulate", *args], check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("resume: error: simulate: ")

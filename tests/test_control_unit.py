@@ -62,7 +62,7 @@ def test_no_control_directory_means_no_pending_requests(run):
 
 def test_posted_request_is_seen_as_pending(run):
     request = post_save_request(run, stop=True, reason="slurm USR1")
-    assert pending_requests(run) == [SaveRequest(request.request_id, stop=True)]
+    assert pending_requests(run) == [SaveRequest(request.request_id, stop=True, reason="slurm USR1")]
     body = json.loads(run.storage.read_bytes(request_path(request)))
     assert body["stop"] is True and body["reason"] == "slurm USR1"
 
@@ -80,7 +80,7 @@ def test_pending_requests_skips_half_written_and_foreign_files(run):
     run.storage.write_bytes_atomic(join(CONTROL, "save-torn" + REQUEST_SUFFIX), b'{"stop": tr')
     run.storage.write_bytes_atomic(join(CONTROL, "README"), b"not a request")
     run.storage.write_bytes_atomic(join(CONTROL, "save-old" + RESULT_SUFFIX), b'{"step": 1}')
-    assert pending_requests(run) == [SaveRequest(good.request_id, stop=False)]
+    assert pending_requests(run) == [SaveRequest(good.request_id, stop=False, reason="resume save")]
 
 
 def test_answer_writes_result_and_removes_request(run):

@@ -177,8 +177,8 @@ def test_no_valid_size_left_requeues_excluding_the_bad_nodes(tmp_path):
     launcher = Launcher([lambda: FakeStep(1)])
     sup, slurm = hook(tmp_path, ["n1"], launcher, states={"n1": "drained"})
     assert sup.run() == 0
-    assert ("scontrol", "update", "jobid=42", "ExcNodeList=n1") in slurm.calls
-    assert slurm.calls[-1] == ("scontrol", "release", "42")
+    # A plain requeue: Slurm allocates no drained node (requeuehold would TERM the hook).
+    assert slurm.calls == [("scontrol", "requeue", "42")]
     assert events(tmp_path)[-1]["event"] == "requeue_excluding"
 
 
@@ -317,3 +317,57 @@ def test_a_hook_that_dies_takes_its_step_down(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         sup.run()
     assert step.signals == [signal.SIGTERM]
+
+
+def test_term_that_reaches_the_step_first_is_a_requeue_not_a_failure(tmp_path):
+    holder = {}
+
+    def start():
+        step = FakeStep(137)  # killed by the same preemption
+        holder["sup"]._signal = signal.SIGTERM  # ... whose TERM the hook also got
+        return step
+
+    sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([start]))
+    holder["sup"] = sup
+    assert sup.run() == 0
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert "step_failed" not in kinds and kinds[-2:] == ["step_ended", "requeued"]
+    assert ("scontrol", "requeue", "42") in slurm.calls
+
+
+def test_an_unanswered_save_request_is_withdrawn_so_the_requeued_run_does_not_stop(tmp_path):
+    def start():
+        step = FakeStep(0, run_forever=True)
+        holder["sup"]._signal = signal.SIGUSR1
+        return step
+
+    holder = {}
+    sup, _ = hook(tmp_path, ["n1"], Launcher([start]), grace_s=31, step_exit_s=0.0)
+    holder["sup"] = sup
+    clock = iter(range(10_000))
+    sup.clock = lambda: float(next(clock))
+    assert sup.run() == 0
+    assert pending_requests(Run.open(str(tmp_path / "run"))) == []
+    assert any(e["event"] == "save_failed" for e in events(tmp_path))
+
+
+def test_stale_hook_requests_are_withdrawn_at_start_but_operators_are_kept(tmp_path):
+    from resume.control import post_save_request
+
+    run = Run.open(str(tmp_path / "run"), create=True)
+    post_save_request(run, stop=True, reason="slurm hook: SIGUSR1")
+    mine = post_save_request(run, reason="resume save")
+    sup, _ = hook(tmp_path, ["n1"], Launcher([lambda: FakeStep(0)]))
+    assert sup.run() == 0
+    assert [r.request_id for r in pending_requests(run)] == [mine.request_id]
+
+
+def test_hardware_failures_do_not_count_towards_a_crash_loop(tmp_path):
+    launcher = Launcher([lambda: FakeStep(1)] * 3 + [lambda: FakeStep(0)])
+    sup, slurm = hook(tmp_path, ["n1", "n2", "n3", "n4", "n5"], launcher, spares=4, crash_loop=3)
+    bad = iter([{"n1": "down"}, {"n1": "down", "n2": "down*"}, {"n1": "down", "n2": "down*", "n3": "idle*"}])
+    slurm.node_states = lambda nodes: {n: s for n, s in next(bad).items()} | {
+        n: "allocated" for n in nodes if n not in ("n1", "n2", "n3")}
+    assert sup.run() == 0
+    assert json.loads((tmp_path / "run" / "cluster" / "hook.json").read_text())["bad_nodes"] == [
+        "n1", "n2", "n3"]
