@@ -255,25 +255,21 @@ class Supervisor:
             max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
         self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
-        self._save_state()
-        try:
-            self.slurm.requeue(self.job.job_id)
-        except SlurmError as e:
-            self.event("requeue_failed", reason=str(e))
-            return EXIT_UNRECOVERABLE
-        self.event("requeued", reason=f"after {name}")
-        return 0
+        return self._requeue("requeued", reason=f"after {name}")
 
     def _requeue_excluding(self, reason: str) -> int:
         # A plain requeue: the nodes recorded bad are down or drained, which
         # Slurm does not allocate. (requeuehold would TERM this very hook.)
-        self.event("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
+        return self._requeue("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
+
+    def _requeue(self, kind: str, **fields: Any) -> int:
         self._save_state()
         try:
             self.slurm.requeue(self.job.job_id)
         except SlurmError as e:
             self.event("requeue_failed", reason=str(e))
             return EXIT_UNRECOVERABLE
+        self.event(kind, **fields)
         return 0
 
     def _withdraw_stale_requests(self) -> None:

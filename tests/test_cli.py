@@ -3,6 +3,7 @@ bad input, and ``resume save`` against a job that is training right now."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -202,17 +203,29 @@ def wait_until_training(trace, procs, iterations: int = 3, timeout: float = 120)
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def training_job(tmp_path):
+    """A 2-rank job training "forever" without periodic saves; SIGKILLed at the end if still alive."""
+    run, trace = str(tmp_path / "run"), tmp_path / "trace.jsonl"
+    procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
+                         final=str(tmp_path / "f.json"))
+    try:
+        wait_until_training(trace, procs)
+        yield run, trace, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+
+
 def launch_worker(run: str, **kwargs) -> list[int]:
     procs = start_worker(run, **kwargs)
     return [p.wait(timeout=240) for p in procs]
 
 
 def test_resume_save_commits_at_the_next_boundary_of_a_running_job(tmp_path):
-    run, trace = str(tmp_path / "run"), tmp_path / "trace.jsonl"
-    procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
-                         final=str(tmp_path / "f.json"))
-    try:
-        wait_until_training(trace, procs)
+    with training_job(tmp_path) as (run, _, procs):
         proc = resume("save", run, "--timeout", "120", "--json", timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         answer = json.loads(proc.stdout)
@@ -225,11 +238,6 @@ def test_resume_save_commits_at_the_next_boundary_of_a_running_job(tmp_path):
         stop = resume("save", run, "--stop", "--timeout", "120", "--json", timeout=180)
         assert stop.returncode == 0 and json.loads(stop.stdout)["step"] > step
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
 
 
 def test_resume_save_times_out_with_exit_4_when_no_job_runs(tmp_path):
@@ -241,18 +249,9 @@ def test_resume_save_times_out_with_exit_4_when_no_job_runs(tmp_path):
 
 
 def test_signal_on_one_rank_saves_on_all_ranks_at_the_same_iteration_then_stops(tmp_path):
-    run, trace = str(tmp_path / "run"), tmp_path / "trace.jsonl"
-    procs = start_worker(run, iterations=1_000_000, every=0, trace=str(trace),
-                         final=str(tmp_path / "f.json"))
-    try:
-        wait_until_training(trace, procs)
+    with training_job(tmp_path) as (run, trace, procs):
         procs[1].send_signal(signal.SIGUSR1)  # rank 1 only: the ranks must agree
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
     last = json.loads(trace.read_text().splitlines()[-1])["iteration"]
     listing = json.loads(resume("ls", run, "--json").stdout)["checkpoints"]
     assert [(c["step"], c["committed"]) for c in listing] == [(last, True)]

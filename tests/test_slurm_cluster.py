@@ -7,6 +7,7 @@ Skipped only where there is no Slurm at all (sbatch missing); CI installs it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -148,7 +149,17 @@ def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(cluster, t
     assert final["counters"] == ref["final"]["counters"]
 
 
-def _down_one_step_node(job_id: str, paths: dict, minimum_iterations: int = 12) -> str:
+@contextlib.contextmanager
+def one_step_node_down(paths: dict, minimum_iterations: int = 12):
+    """Once training runs, take one of the step's nodes down; put it back afterwards."""
+    victim = _down_one_step_node(paths, minimum_iterations)
+    try:
+        yield victim
+    finally:
+        sh("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
+
+
+def _down_one_step_node(paths: dict, minimum_iterations: int) -> str:
     wait_for(lambda: trace_lines(paths["trace"]) >= minimum_iterations, 180, "training")
     launch = next(e for e in events(paths["run"]) if e["event"] == "launch")
     victim = launch["nodes"][-1]
@@ -160,17 +171,10 @@ def _down_one_step_node(job_id: str, paths: dict, minimum_iterations: int = 12) 
     return victim
 
 
-def _resume_node(node: str) -> None:
-    sh("scontrol", "update", f"nodename={node}", "state=resume", check=False)
-
-
 def test_a_node_down_mid_run_relaunches_on_a_spare_inside_the_allocation(cluster, tmp_path):
     job_id, paths = submit(tmp_path, nodes=3, spares=1)
-    victim = _down_one_step_node(job_id, paths)
-    try:
+    with one_step_node_down(paths) as victim:
         fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
-    finally:
-        _resume_node(victim)
     assert fields["JobState"] == "COMPLETED", (fields, debug(paths))
     assert fields["Restarts"] == "0"  # never left the allocation
     evs = events(paths["run"])
@@ -185,11 +189,8 @@ def test_a_node_down_mid_run_relaunches_on_a_spare_inside_the_allocation(cluster
 
 def test_no_spare_left_shrinks_keeping_the_global_batch(cluster, tmp_path):
     job_id, paths = submit(tmp_path, nodes=4)
-    victim = _down_one_step_node(job_id, paths)
-    try:
+    with one_step_node_down(paths):
         fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
-    finally:
-        _resume_node(victim)
     assert fields["JobState"] == "COMPLETED", (fields, debug(paths))
     shrink = next(e for e in events(paths["run"]) if e["event"] == "shrink")
     assert (shrink["from_dp"], shrink["to_dp"]) == (4, 2)
