@@ -165,7 +165,7 @@ class Supervisor:
             return None
         dp = valid[0]
         nodes = healthy[: dp * self.cfg.nodes_per_replica]
-        if self.state.bad_nodes:
+        if set(self.state.bad_nodes) & set(self.job.nodes):
             if dp == self.planned_dp:
                 reason = f"bad nodes {self.state.bad_nodes} replaced by spares inside the allocation"
                 self.event("relaunch_on_spares", dp=dp, nodes=nodes, reason=reason)
