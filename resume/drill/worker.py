@@ -40,6 +40,24 @@ def tensor_digest(t: torch.Tensor) -> str:
     return digest_parts([str(t.dtype), str(list(t.shape)), t.reshape(-1).view(torch.uint8).numpy().tobytes()])
 
 
+def allreduce_each_gradient(state, bucket):
+    """Average gradients parameter by parameter, not per DDP bucket.
+
+    With more than 2 ranks the sum's order depends on where an element falls in
+    the buffer being reduced, and DDP lays its buckets out differently in the
+    first iteration after it is constructed (a restarted job) than later. One
+    reduction per parameter makes the order depend on the parameter alone, so
+    a resumed run can be bitwise identical at any data-parallel size.
+    """
+    world = dist.get_world_size()
+    for grad in bucket.gradients():
+        grad.div_(world)
+        dist.all_reduce(grad)
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 def build(args: argparse.Namespace, rank: int, world: int):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -47,6 +65,7 @@ def build(args: argparse.Namespace, rank: int, world: int):
     cfg = GPTConfig()
     model = TinyGPT(cfg)
     ddp = DDP(model)
+    ddp.register_comm_hook(state=None, hook=allreduce_each_gradient)
     optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(WARMUP, args.iterations))
