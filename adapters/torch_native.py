@@ -47,7 +47,7 @@ from .dcp_safe import (
     restricted_load_metadata,
 )
 
-__all__ = ["NativeTorchAdapter", "TorchDistComm", "comm_for"]
+__all__ = ["NativeTorchAdapter", "TorchDistComm", "allreduce_each_gradient", "comm_for"]
 
 # Scheduler attributes that move with training; everything else in a
 # scheduler's state_dict is its configuration.
@@ -84,6 +84,28 @@ class TorchDistComm:
         t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
+
+
+def allreduce_each_gradient(state, bucket):
+    """Average gradients parameter by parameter, not per DDP bucket.
+
+    With more than 2 ranks the sum's order depends on where an element falls in
+    the buffer being reduced, and DDP lays its buckets out differently in the
+    first iteration after it is constructed (a restarted job) than later. One
+    reduction per parameter makes the order depend on the parameter alone, so
+    a resumed run can be bitwise identical at any data-parallel size.
+
+    Use: ``ddp.register_comm_hook(state=None, hook=allreduce_each_gradient)``.
+    It costs one collective per parameter instead of one per bucket: for
+    reproducibility checks and small models, not for a 500B run.
+    """
+    world = dist.get_world_size()
+    for grad in bucket.gradients():
+        grad.div_(world)
+        dist.all_reduce(grad)
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def comm_for(group: Any = None) -> Comm:

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
+from resume.adapters.torch_native import allreduce_each_gradient
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT
-from resume.drill.worker import allreduce_each_gradient
 
 pytestmark = pytest.mark.multiprocess
 

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import Coordinator
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter
+from resume.adapters.torch_native import NativeTorchAdapter, allreduce_each_gradient
 from resume.checksum import digest_parts
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 
@@ -38,24 +38,6 @@ WARMUP = 5
 def tensor_digest(t: torch.Tensor) -> str:
     t = t.detach().cpu().contiguous()
     return digest_parts([str(t.dtype), str(list(t.shape)), t.reshape(-1).view(torch.uint8).numpy().tobytes()])
-
-
-def allreduce_each_gradient(state, bucket):
-    """Average gradients parameter by parameter, not per DDP bucket.
-
-    With more than 2 ranks the sum's order depends on where an element falls in
-    the buffer being reduced, and DDP lays its buckets out differently in the
-    first iteration after it is constructed (a restarted job) than later. One
-    reduction per parameter makes the order depend on the parameter alone, so
-    a resumed run can be bitwise identical at any data-parallel size.
-    """
-    world = dist.get_world_size()
-    for grad in bucket.gradients():
-        grad.div_(world)
-        dist.all_reduce(grad)
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
 
 
 def build(args: argparse.Namespace, rank: int, world: int):
