@@ -124,6 +124,22 @@ port_listening() {
 # everything below them: slurmstepd double-forks away from slurmd and wipes
 # its environment, but keeps DIR/slurmd-nX.log open; a slurmd restarted by a
 # test keeps its log open too. Their descendants are the jobs' processes.
+# wait_gone DIR TRIES PID...: true once none of the PIDs (of this cluster) is alive,
+# false if some still are after TRIES x 0.1 s.
+wait_gone() {
+    local dir=$1 tries=$2 pid
+    shift 2
+    for _ in $(seq 1 "$tries"); do
+        local alive=0
+        for pid in "$@"; do
+            if pid_alive "$pid" && pid_ours "$pid" "$dir"; then alive=1; fi
+        done
+        [ "$alive" = 0 ] && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
 stray_pids() {
     local dir=$1 p comm f roots=""
     for p in /proc/[0-9]*; do
@@ -162,7 +178,7 @@ stray_pids() {
 # ---------------------------------------------------------------- down
 
 cmd_down() {
-    local dir pids=() pid waited alive
+    local dir pids=() pid waited
     dir=$(abs_dir "$1")
     if [ ! -f "$dir/pids" ]; then
         say "nothing to stop in $dir (no $dir/pids)"
@@ -204,14 +220,7 @@ cmd_down() {
             kill -TERM "$pid" 2>/dev/null || true
         fi
     done
-    for waited in $(seq 1 50); do # up to ~5 s
-        alive=0
-        for pid in "${pids[@]}"; do
-            if pid_alive "$pid" && pid_ours "$pid" "$dir"; then alive=1; fi
-        done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
+    wait_gone "$dir" 50 "${pids[@]}" || true # up to ~5 s
     for pid in "${pids[@]}"; do
         if pid_alive "$pid" && pid_ours "$pid" "$dir"; then
             say "pid $pid ignored TERM; sending KILL"
@@ -226,17 +235,7 @@ cmd_down() {
         # shellcheck disable=SC2086
         kill -KILL $strays 2>/dev/null || true
     fi
-    for waited in $(seq 1 30); do
-        alive=0
-        for pid in "${pids[@]}"; do
-            if pid_alive "$pid" && pid_ours "$pid" "$dir"; then alive=1; fi
-        done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
-    if [ "$alive" = 1 ]; then
-        die "some processes of $dir did not stop: ${pids[*]}"
-    fi
+    wait_gone "$dir" 30 "${pids[@]}" || die "some processes of $dir did not stop: ${pids[*]}"
     rm -f "$dir/pids"
     say "stopped cluster in $dir"
 }
