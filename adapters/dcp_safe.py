@@ -36,6 +36,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _fs._StorageInfo,
 }
+# Megatron-Core's torch_dist saver keeps every rank's save plan in the
+# metadata (``Metadata.all_local_plans``): plain records, no behaviour.
+from torch.distributed.checkpoint import planner as _planner
+
+for _name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+    if hasattr(_planner, _name):
+        _ALLOWED[("torch.distributed.checkpoint.planner", _name)] = getattr(_planner, _name)
 for _name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
               "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
     if hasattr(_md, _name):

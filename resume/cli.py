@@ -27,7 +27,7 @@ from .errors import (
     ResumeError,
     UsageError,
 )
-from .run import CheckResult, Run, step_dirname
+from .run import CheckResult, Run
 
 __all__ = ["cli", "main"]
 
@@ -119,7 +119,7 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
     if as_json:
         _emit_json({"ok": True, "step": step, "train_state": manifest.train_state.to_dict()})
     else:
-        click.echo(f"committed {step_dirname(step)} (iteration {manifest.train_state.iteration})")
+        click.echo(f"committed {run.dirname(step)} (iteration {manifest.train_state.iteration})")
     return EXIT_OK
 
 
@@ -133,7 +133,7 @@ def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
 
     manifest = result.manifest
     assert manifest is not None
-    source = run.storage.url(f"{step_dirname(result.step)}/manifest.json")
+    source = run.storage.url(run.manifest_path(result.step))
     problems = []
     global_batch = manifest.config.get("global_batch")
     try:
@@ -167,7 +167,7 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
         from .adapters.dcp_safe import restricted_load_metadata
     except ImportError:
         return []
-    path = f"{step_dirname(result.step)}/.metadata"
+    path = run.step_path(result.step, ".metadata")
     try:
         restricted_load_metadata(run.storage.read_bytes(path), source=run.storage.url(path))
     except ResumeError as e:
@@ -193,7 +193,7 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
     steps = run.step_dirs()
     if step is not None:
         if step not in steps:
-            raise CheckpointNotFoundError(f"{run.storage.url(step_dirname(step))}: expected a step "
+            raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(step))}: expected a step "
                                           f"directory, actual missing (steps: {steps})")
         steps = [step]
     if not steps:
@@ -220,13 +220,13 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
         for r in results:
             if r.committed:
                 state = r.manifest.train_state  # type: ignore[union-attr]
-                click.echo(f"{step_dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
+                click.echo(f"{run.dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
                            f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
             elif not r.has_manifest and step is None:
-                click.echo(f"{step_dirname(r.step)}  uncommitted (ignored): {r.reason}")
+                click.echo(f"{run.dirname(r.step)}  uncommitted (ignored): {r.reason}")
             else:
                 for p in r.problems:
-                    click.echo(f"{step_dirname(r.step)}  PROBLEM: {p}")
+                    click.echo(f"{run.dirname(r.step)}  PROBLEM: {p}")
     if problems:
         for s, p in problems:
             click.echo(f"resume: error: {p}", err=True)
@@ -244,7 +244,7 @@ def _check_with_progress(run: Run, step: int, *, deep: bool, show: bool) -> Chec
         total = run.read_manifest(step).total_bytes
     except ResumeError:
         return run.check(step, deep=deep)
-    with click.progressbar(length=total, label=f"verifying {step_dirname(step)}",
+    with click.progressbar(length=total, label=f"verifying {run.dirname(step)}",
                            file=sys.stderr) as bar:
         return run.check(step, deep=True, progress=bar.update)
 
@@ -306,13 +306,13 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
 
     run = Run.open(run_url)
     manifest = run.manifest_for(step)
-    source = run.storage.url(f"{step_dirname(manifest.step)}/manifest.json")
+    source = run.storage.url(run.manifest_path(manifest.step))
     expectation = Expectation.from_dict(manifest.expectation, source=source)  # validates
     if as_json:
         _emit_json(json.loads(manifest.to_json()))
         return EXIT_OK
     s, e = manifest.train_state, expectation.to_dict()
-    click.echo(f"{step_dirname(manifest.step)}  ({run.storage.url(step_dirname(manifest.step))})")
+    click.echo(f"{run.dirname(manifest.step)}  ({run.storage.url(run.dirname(manifest.step))})")
     click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
     click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
                f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")

@@ -9,6 +9,11 @@ Layout of a run (local path or fsspec URL)::
         manifest.json        the commit record, written last
         ...                  the adapter's shards and per-rank state
 
+A Megatron-LM save directory is a run too, in Megatron's layout: its
+``iter_0000200/`` directories hold Megatron's own files and our manifest
+beside them (``resume-manifest.json``); Megatron keeps its own pointer
+(``latest_checkpointed_iteration.txt``), so there is no ``LATEST`` of ours.
+
 ``check`` is the only definition of "committed": the manifest parses and is
 valid, and every file it lists is present with the right size (``deep`` adds
 the checksums). Discovery, restore, ``ls``, ``verify`` and retention all use it.
@@ -34,7 +39,8 @@ from .errors import (
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, join, open_storage
 
-__all__ = ["CheckResult", "KeepPolicy", "Run", "parse_step_dirname", "step_dirname"]
+__all__ = ["MEGATRON_LAYOUT", "RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout",
+           "parse_step_dirname", "step_dirname"]
 
 log = logging.getLogger("resume")
 
@@ -51,6 +57,47 @@ def step_dirname(step: int) -> str:
 def parse_step_dirname(name: str) -> int | None:
     m = STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    """How checkpoint directories and their manifests are named in a run."""
+
+    name: str
+    pattern: re.Pattern
+    """Matches a checkpoint directory's name; group 1 is the step."""
+    dir_format: str
+    manifest_name: str
+    latest: str | None
+    """Our LATEST hint; None where the framework keeps its own pointer."""
+
+    def dirname(self, step: int) -> str:
+        return self.dir_format.format(step)
+
+    def parse(self, name: str) -> int | None:
+        m = self.pattern.match(name)
+        return int(m.group(1)) if m else None
+
+
+RESUME_LAYOUT = RunLayout("resume", STEP_RE, "step-{:09d}", MANIFEST_NAME, LATEST)
+MEGATRON_LAYOUT = RunLayout("megatron", re.compile(r"^iter_(\d{7,})$"), "iter_{:07d}",
+                            "resume-manifest.json", None)
+
+
+def detect_layout(storage: Storage) -> RunLayout:
+    """Megatron's layout when the directory is a Megatron save directory, else ours."""
+    if not storage.isdir(""):
+        return RESUME_LAYOUT
+    if storage.exists(MEGATRON_TRACKER):
+        return MEGATRON_LAYOUT
+    names = storage.listdir("")
+    if any(MEGATRON_LAYOUT.parse(n) is not None for n in names) and not any(
+            RESUME_LAYOUT.parse(n) is not None for n in names):
+        return MEGATRON_LAYOUT
+    return RESUME_LAYOUT
 
 
 def utc_now() -> str:
@@ -112,17 +159,22 @@ class KeepPolicy:
 class Run:
     """One training run's home."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, layout: RunLayout = RESUME_LAYOUT) -> None:
         self.storage = storage
+        self.layout = layout
 
     @property
     def url(self) -> str:
         return self.storage.root
 
     @classmethod
-    def open(cls, url: str, *, create: bool = False) -> Run:
-        """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false."""
-        run = cls(open_storage(url))
+    def open(cls, url: str, *, create: bool = False, layout: RunLayout | None = None) -> Run:
+        """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false.
+
+        Without ``layout`` it is detected: a Megatron save directory opens in Megatron's.
+        """
+        storage = open_storage(url)
+        run = cls(storage, layout or detect_layout(storage))
         if create:
             run.ensure_exists()
         elif not run.storage.isdir(""):
@@ -142,18 +194,24 @@ class Run:
         """Every step directory, committed or not, ascending."""
         steps = []
         for name in self.storage.listdir(""):
-            step = parse_step_dirname(name)
+            step = self.layout.parse(name)
             if step is not None:
                 steps.append(step)
         return sorted(steps)
 
+    def dirname(self, step: int) -> str:
+        return self.layout.dirname(step)
+
     def step_path(self, step: int, *parts: str) -> str:
-        return join(step_dirname(step), *parts)
+        return join(self.dirname(step), *parts)
+
+    def manifest_path(self, step: int) -> str:
+        return self.step_path(step, self.layout.manifest_name)
 
     # -- the commit check -------------------------------------------------------
 
     def read_manifest(self, step: int) -> Manifest:
-        path = self.step_path(step, MANIFEST_NAME)
+        path = self.manifest_path(step)
         source = self.storage.url(path)
         try:
             text = self.storage.read_bytes(path)
@@ -174,16 +232,16 @@ class Run:
             result.manifest = self.read_manifest(step)
         except CheckpointNotFoundError:
             result.has_manifest = False
-            result.problems.append(f"{self.storage.url(self.step_path(step, MANIFEST_NAME))}: "
+            result.problems.append(f"{self.storage.url(self.manifest_path(step))}: "
                                    "missing (uncommitted)")
             return result
         except ManifestError as e:
             result.problems.append(str(e))
             return result
         except (OSError, ValueError) as e:  # not a directory, unreadable, storage down
-            if not self.storage.isdir(step_dirname(step)):
+            if not self.storage.isdir(self.dirname(step)):
                 result.has_manifest = False  # a stray file with a step's name: not a checkpoint
-            result.problems.append(f"{self.storage.url(step_dirname(step))}: expected a readable "
+            result.problems.append(f"{self.storage.url(self.dirname(step))}: expected a readable "
                                    f"step directory, actual {type(e).__name__}: {e}")
             return result
         for rel, entry in sorted(result.manifest.files.items()):
@@ -254,7 +312,7 @@ class Run:
             result = self.check(step, deep=deep)
             if result.committed:
                 for bad in rejected:
-                    log.warning("resume: skipping %s: %s", step_dirname(bad.step), bad.reason)
+                    log.warning("resume: skipping %s: %s", self.dirname(bad.step), bad.reason)
                 return result.manifest, rejected
             rejected.append(result)
         return None, rejected
@@ -264,7 +322,7 @@ class Run:
         if manifest is not None:
             return manifest
         if rejected:
-            reasons = "; ".join(f"{step_dirname(r.step)}: {r.reason}" for r in rejected[:3])
+            reasons = "; ".join(f"{self.dirname(r.step)}: {r.reason}" for r in rejected[:3])
             raise NoValidCheckpointError(f"{self.url}: expected a committed checkpoint among "
                                          f"{len(rejected)} step directories, actual none valid ({reasons})")
         raise CheckpointNotFoundError(f"{self.url}: expected a committed checkpoint, actual none")
@@ -274,7 +332,7 @@ class Run:
         if step is None:
             return self.latest_or_raise(deep=deep)
         if step not in self.step_dirs():
-            raise CheckpointNotFoundError(f"{self.storage.url(step_dirname(step))}: expected a step "
+            raise CheckpointNotFoundError(f"{self.storage.url(self.dirname(step))}: expected a step "
                                           f"directory, actual missing (steps: {self.step_dirs()})")
         return self.read_manifest(step)
 
@@ -284,27 +342,29 @@ class Run:
         """The commit point. Written atomically, after every listed file."""
         if not manifest.created_at:
             manifest.created_at = utc_now()
-        self.storage.write_bytes_atomic(self.step_path(manifest.step, MANIFEST_NAME),
-                                        manifest.to_json().encode())
-        self.storage.write_bytes_atomic(LATEST, f"{manifest.step}\n".encode())
+        self.storage.write_bytes_atomic(self.manifest_path(manifest.step), manifest.to_json().encode())
+        if self.layout.latest:
+            self.storage.write_bytes_atomic(self.layout.latest, f"{manifest.step}\n".encode())
 
     def latest_hint(self) -> int | None:
+        """Our LATEST, or Megatron's tracker in a Megatron save directory (a hint either way)."""
+        name = self.layout.latest or MEGATRON_TRACKER
         try:
-            return int(self.storage.read_bytes(LATEST).decode().strip())
+            return int(self.storage.read_bytes(name).decode().strip())
         except (FileNotFoundError, ValueError):
             return None
 
     def delete_step(self, step: int) -> None:
-        self.storage.delete(step_dirname(step))
+        self.storage.delete(self.dirname(step))
 
     def quarantine_step(self, step: int, reason: str) -> str:
         """Move a broken checkpoint out of discovery's and retention's way; never delete it.
 
         A name that is not ``step-…`` is ignored by discovery and retention.
         """
-        name = f"quarantine-{step_dirname(step)}-{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%S}"
-        self.storage.rename(step_dirname(step), name)
-        log.warning("resume: moved broken %s to %s: %s", step_dirname(step), name, reason)
+        name = f"quarantine-{self.dirname(step)}-{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%S}"
+        self.storage.rename(self.dirname(step), name)
+        log.warning("resume: moved broken %s to %s: %s", self.dirname(step), name, reason)
         try:
             self.storage.write_bytes_atomic(join(name, "QUARANTINED.txt"), (reason + "\n").encode())
         except OSError as e:
@@ -318,7 +378,7 @@ class Run:
         for step in doomed:
             # The manifest goes first: a half-deleted checkpoint is then
             # plainly uncommitted, never a torn "committed" one.
-            self.storage.delete(self.step_path(step, MANIFEST_NAME))
+            self.storage.delete(self.manifest_path(step))
             self.delete_step(step)
         return doomed
 
