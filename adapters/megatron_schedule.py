@@ -130,18 +130,22 @@ class MegatronSchedule:
                       else args.lr_warmup_samples)
         else:
             raise UsageError("arguments: expected --train-iters or --train-samples, actual neither")
+        wsd_style = getattr(args, "lr_wsd_decay_style", None)
+        if args.lr_decay_style != "WSD":  # the WSD fields are read only by that style
+            wsd, wsd_style = None, None
         return cls(init_lr=args.lr_warmup_init, max_lr=float(args.lr), min_lr=args.min_lr,
                    lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
-                   wsd_decay_steps=wsd, lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None))
+                   wsd_decay_steps=wsd, lr_wsd_decay_style=wsd_style)
 
     @classmethod
     def from_scheduler(cls, scheduler: Any) -> MegatronSchedule:
         """The configuration of a live ``OptimizerParamScheduler``."""
+        wsd = scheduler.lr_decay_style == "WSD"
         return cls(init_lr=scheduler.init_lr, max_lr=scheduler.max_lr, min_lr=scheduler.min_lr,
                    lr_warmup_steps=scheduler.lr_warmup_steps, lr_decay_steps=scheduler.lr_decay_steps,
                    lr_decay_style=scheduler.lr_decay_style,
-                   wsd_decay_steps=getattr(scheduler, "wsd_decay_steps", None),
-                   lr_wsd_decay_style=getattr(scheduler, "lr_wsd_decay_style", None))
+                   wsd_decay_steps=getattr(scheduler, "wsd_decay_steps", None) if wsd else None,
+                   lr_wsd_decay_style=getattr(scheduler, "lr_wsd_decay_style", None) if wsd else None)
 
     @classmethod
     def from_state_dict(cls, state: Any, *, init_lr: float, source: str,

@@ -1,0 +1,637 @@
+"""Megatron-LM: Megatron's own checkpoints, with the counters and continuity Megatron does not keep.
+
+Megatron writes its checkpoints itself (``--ckpt-format torch_dist``:
+``iter_%07d/`` and ``latest_checkpointed_iteration.txt``). ``MegatronRecorder``
+adds what it lacks:
+
+- after each save, a manifest beside Megatron's files
+  (``iter_%07d/resume-manifest.json``): every file with its size and xxh3
+  checksum, the three counters, and the expectations: the next global batch
+  from the sampler position, the LR of every param group for the next K
+  updates computed with Megatron-Core's own ``OptimizerParamScheduler``, each
+  rank's RNG digest, the config and the layout. ``resume verify``, ``ls`` and
+  ``inspect`` then work on the save directory as on a native run, and the
+  Slurm hook waits for "committed" rather than "tracker file changed";
+- before each load, the choice of the newest checkpoint whose manifest is
+  committed and whose files verify (Megatron is pointed at it with
+  ``args.ckpt_step`` when its tracker names a newer, unverified one), the
+  pickles Megatron will unpickle read first with restricted loaders, and the
+  run's arguments checked against what the checkpoint recorded (config, and
+  the LR the arguments' schedule gives at the next updates);
+- after each load, the continuity check on the live objects: counters,
+  scheduler position, LR ahead, schedule, next batch, RNG; a mismatch raises
+  ``ContinuityError`` before the first iteration.
+
+Call sequence (every rank, in this order; some calls are collective):
+
+  save: Megatron's ``save_checkpoint`` returns (synchronous save: data written,
+        barrier passed, tracker updated) -> ``after_save(iteration, args, scheduler, optimizer)``
+  load: ``before_load(args)`` -> Megatron's ``load_checkpoint`` ->
+        ``after_load(iteration, args, scheduler, optimizer)``
+  each iteration (optional): ``count_iteration(skipped)``, ``poll_control()``
+
+``install()`` wires this into ``megatron.training`` for the stock entry point
+(``pretrain_gpt.py``): import ``resume.adapters.megatron`` in the launch script
+and call ``install()`` before ``pretrain(...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from resume.checksum import checksum_file, digest_parts
+from resume.comm import Comm, LocalComm
+from resume.continuity import Expectation, compare_config
+from resume.control import SaveRequest, answer_request, pending_requests
+from resume.errors import (
+    ContinuityError,
+    InvariantError,
+    NoValidCheckpointError,
+    ResumeError,
+    SaveFailedError,
+    UnsafeCheckpointError,
+)
+from resume.manifest import FileEntry, Manifest
+from resume.rng import RngRegistry
+from resume.run import MEGATRON_LAYOUT, Run
+from resume.state import TrainState
+from resume.storage import join, open_storage
+
+from .megatron_ckpt import CommonState, iteration_dirs, read_common_state, read_tracker, require_torch_dist
+from .megatron_schedule import MegatronSchedule
+
+__all__ = ["MegatronRecorder", "install", "next_batch_ids"]
+
+log = logging.getLogger("resume")
+
+ADAPTER_NAME = "megatron-core"
+DATA_ARGS = ("data_path", "split", "dataloader_type", "tokenizer_type", "vocab_size", "seq_length", "seed")
+
+
+def next_batch_ids(consumed: int, global_batch: int) -> list[int]:
+    """Sample positions of the next global batch.
+
+    Megatron's pretraining samplers read the stream in order: the next global
+    batch is positions ``consumed .. consumed + global_batch - 1``, split over
+    the data-parallel ranks in micro-batches (for ``single`` these are the
+    dataset indices; for ``cyclic`` positions in the epoch's permutation).
+    A test checks this against ``MegatronPretrainingSampler`` itself.
+    """
+    return list(range(consumed, consumed + global_batch))
+
+
+def _data_config(args: Any) -> dict:
+    return {k: _jsonable(getattr(args, k, None)) for k in DATA_ARGS}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _group_overrides(optimizer: Any) -> list[dict]:
+    """Per param group, the fields the scheduler reads (max_lr/min_lr overrides); [{}] without groups."""
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if not groups:
+        return [{}]
+    return [{k: float(g[k]) for k in ("max_lr", "min_lr") if k in g} for g in groups]
+
+
+def lr_ahead_megatron(scheduler: Any, increment: int, k: int, groups: list[dict]) -> list[list[float]]:
+    """LR of every group now and after each of the next k-1 updates, by Megatron's own scheduler.
+
+    A shallow copy steps over copies of the groups (only the fields get_lr
+    reads), so the live scheduler and the optimizer's groups are untouched.
+    """
+    probe = copy.copy(scheduler)
+    probe_groups = [dict(g) for g in groups]
+    probe.optimizer = types.SimpleNamespace(param_groups=probe_groups)
+    out = []
+    for i in range(k):
+        if i:
+            probe.step(increment=increment)
+        out.append([float(probe.get_lr(g)) for g in probe_groups])
+    return out
+
+
+@dataclass
+class _Loaded:
+    manifest: Manifest
+    source: str
+
+
+class MegatronRecorder:
+    """Our manifest beside Megatron's checkpoints, and the continuity check around its loads."""
+
+    def __init__(self, save_dir: str, *, comm: Comm | None = None, lr_lookahead: int = 3,
+                 verify_on_load: bool = True, accept_schedule_change: bool = False,
+                 control_poll_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """
+        Args:
+            save_dir: Megatron's ``--save`` (and ``--load``) directory, a path or fsspec URL.
+            comm: collectives over all ranks; default torch.distributed's world group when
+                initialised, else a single process.
+            lr_lookahead: K, the number of updates whose LR is recorded (>= 2).
+            verify_on_load: every rank checksums its share of the chosen checkpoint before
+                Megatron loads it; a corrupt newest checkpoint is passed over.
+            accept_schedule_change: let a run whose arguments give another LR schedule
+                continue (logged); by default that is a ContinuityError.
+            control_poll_s: how often rank 0 looks for ``resume save`` requests.
+        """
+        if lr_lookahead < 2:
+            raise ValueError(f"lr_lookahead: expected >= 2, actual {lr_lookahead}")
+        self.run = Run(open_storage(save_dir), MEGATRON_LAYOUT)
+        self._comm = comm
+        self.lr_lookahead = lr_lookahead
+        self.verify_on_load = verify_on_load
+        self.accept_schedule_change = accept_schedule_change
+        self.control_poll_s = control_poll_s
+        self.clock = clock
+        self.rng = RngRegistry()
+        self.loaded: _Loaded | None = None
+        self._skipped_base: int | None = None  # skipped updates at the last load or save
+        self._skipped_since = 0
+        self._last_poll = float("-inf")
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            self._comm = _default_comm()
+        return self._comm
+
+    # -- counting -------------------------------------------------------------------------------
+
+    def count_iteration(self, *, skipped: bool) -> None:
+        """Record one iteration as it happens (skipped: the optimizer did not apply the update)."""
+        if skipped:
+            self._skipped_since += 1
+
+    def counters(self, iteration: int, args: Any, scheduler: Any) -> TrainState:
+        """The three counters now, derived from Megatron's state and cross-checked with the count."""
+        common = CommonState(iteration=iteration, checkpoint_version=None, source="live state",
+                             args={"global_batch_size": args.global_batch_size,
+                                   "consumed_train_samples": args.consumed_train_samples,
+                                   "rampup_batch_size": getattr(args, "rampup_batch_size", None)},
+                             scheduler={"num_steps": scheduler.num_steps})
+        state = common.counters()
+        if self._skipped_base is not None and state.updates_skipped != self._skipped_base + self._skipped_since:
+            raise InvariantError(
+                f"live state: updates_skipped: expected {self._skipped_base} + {self._skipped_since} "
+                f"counted since the last checkpoint, actual {state.updates_skipped} "
+                f"(iteration {iteration} - scheduler position {scheduler.num_steps} / global batch "
+                f"{args.global_batch_size})")
+        state.check_invariants(global_batch=args.global_batch_size, where="live state")
+        return state
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def expectation(self, state: TrainState, args: Any, scheduler: Any, optimizer: Any) -> dict:
+        """This rank's view of what the next iteration must look like."""
+        gbs = args.global_batch_size
+        ids = next_batch_ids(state.samples_read, gbs)
+        data = _data_config(args)
+        schedule = MegatronSchedule.from_scheduler(scheduler)
+        return {
+            "next_batch": {"ids": ids, "samples": len(ids),
+                           "digest": digest_parts([repr(sorted(data.items()))] + [str(i) for i in ids])},
+            "lr_ahead": lr_ahead_megatron(scheduler, gbs, self.lr_lookahead, _group_overrides(optimizer)),
+            "schedule": [schedule.to_dict()],
+            "rng": self.rng.digest(self.rng.capture()),
+            "megatron": {
+                "scheduler_position": int(scheduler.num_steps),
+                "increment": gbs,
+                "lr_schedule_ahead": [row[0] for row in
+                                      schedule.lr_ahead(scheduler.num_steps, gbs, self.lr_lookahead)]},
+        }
+
+    def after_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> Manifest | None:
+        """Collective, after Megatron's synchronous save returned: write the manifest (the commit)."""
+        started = self.clock()
+        d = MEGATRON_LAYOUT.dirname(iteration)
+        # Rank 0 lists once; every rank checksums its share, so a 7 TB
+        # checkpoint is read once, in parallel.
+        names = self._on_rank0(lambda: sorted(n for n in _walk(self.run, d)
+                                              if n != MEGATRON_LAYOUT.manifest_name))
+        staged, exc = _guard(lambda: self._stage_save(iteration, args, scheduler, optimizer, names))
+        gathered = self.comm.all_gather_object(staged)
+        _raise_any(gathered, f"manifest of {d}", exc)
+        files: dict[str, FileEntry] = {}
+        for g in gathered:
+            files.update({p: FileEntry(*e) for p, e in g["files"].items()})
+        manifest = None
+        if self.comm.rank == 0:
+            first = gathered[0]
+            expectation = dict(first["expectation"])
+            expectation["rng"] = [g["expectation"]["rng"] for g in gathered]
+            expectation["world_size"] = self.comm.world_size
+            manifest = Manifest(step=iteration, train_state=TrainState(**first["state"]), files=files,
+                                expectation=expectation, topology=_topology(args, self.comm.world_size),
+                                config=_config(args), adapter=ADAPTER_NAME,
+                                timing={"manifest_s": round(self.clock() - started, 3)})
+            result, exc = _guard(lambda: self.run.write_manifest(manifest))
+        else:
+            result = {}
+        _raise_any([self.comm.broadcast_object(result, src=0)], f"commit of {d}", exc)
+        self._skipped_base = gathered[0]["state"]["updates_skipped"]
+        self._skipped_since = 0
+        if manifest is not None:
+            log.info("resume: committed %s (%d files, %d bytes)", MEGATRON_LAYOUT.dirname(iteration),
+                     len(files), manifest.total_bytes)
+        return manifest
+
+    def _stage_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any,
+                    names: list[str]) -> dict:
+        state = self.counters(iteration, args, scheduler)
+        d = MEGATRON_LAYOUT.dirname(iteration)
+        share = names[self.comm.rank::self.comm.world_size]
+        files = {}
+        for rel in share:
+            size, checksum = checksum_file(self.run.storage, join(d, rel))
+            files[rel] = (size, checksum)
+        return {"state": state.to_dict(), "files": files,
+                "expectation": self.expectation(state, args, scheduler, optimizer)}
+
+    # -- load -------------------------------------------------------------------------------------
+
+    def before_load(self, args: Any) -> int | None:
+        """Collective, before Megatron's load: choose and vet the checkpoint; None: nothing of ours."""
+        self.loaded = None
+        candidates = self._on_rank0(self._list_candidates)
+        chosen: Manifest | None = None
+        passed_over: list[tuple[int, str]] = []
+        for step, text, reason in candidates:
+            if text is None:
+                passed_over.append((step, reason))
+                continue
+            manifest = Manifest.from_json(text, source=self.run.storage.url(self.run.manifest_path(step)))
+            problems = self._verify_share(manifest) if self.verify_on_load else []
+            if problems:
+                passed_over.append((step, "; ".join(problems)))
+                continue
+            chosen = manifest
+            break
+        if self.comm.rank == 0:
+            for step, why in passed_over:
+                log.warning("resume: passing over %s: %s", MEGATRON_LAYOUT.dirname(step), why)
+        if chosen is None:
+            if any(text is not None for _, text, _ in candidates):
+                raise NoValidCheckpointError(
+                    f"{self.run.url}: expected a checkpoint whose files verify, actual none ("
+                    + "; ".join(f"{MEGATRON_LAYOUT.dirname(s)}: {w}" for s, w in passed_over[:3]) + ")")
+            if candidates:
+                log.warning("resume: %s: no checkpoint has a resume manifest; Megatron loads its own "
+                            "choice and continuity is NOT checked for this restart", self.run.url)
+            return None
+        source = self.run.storage.url(self.run.manifest_path(chosen.step))
+        # The run's arguments against the record, before Megatron touches anything.
+        self._check_arguments(chosen, args, source)
+        self._on_rank0(lambda: self._vet_pickles(chosen.step))
+        tracker = self._on_rank0(lambda: read_tracker(self.run.storage))
+        if tracker != chosen.step:
+            log.warning("resume: loading %s, not %s named by Megatron's tracker",
+                        MEGATRON_LAYOUT.dirname(chosen.step), tracker)
+            args.ckpt_step = chosen.step
+        self.loaded = _Loaded(chosen, source)
+        return chosen.step
+
+    def _list_candidates(self) -> list[tuple[int, str | None, str]]:
+        if not self.run.storage.isdir(""):
+            return []
+        out = []
+        for step in reversed(iteration_dirs(self.run.storage)):
+            result = self.run.check(step)
+            out.append((step, result.manifest.to_json() if result.committed else None, result.reason))
+        return out
+
+    def _verify_share(self, manifest: Manifest) -> list[str]:
+        share = sorted(manifest.files)[self.comm.rank::self.comm.world_size]
+        staged, exc = _guard(lambda: {"problems": self.run.verify_checksums(manifest, share,
+                                                                            raise_unreadable=True)})
+        gathered = self.comm.all_gather_object(staged)
+        _raise_any(gathered, "checksum verification", exc)
+        return [p for g in gathered for p in g["problems"]]
+
+    def _vet_pickles(self, step: int) -> dict:
+        """Every pickle Megatron will unpickle, read first with restricted loaders."""
+        require_torch_dist(self.run.storage, step)
+        common = read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
+        vet_byte_entries(self.run.storage, MEGATRON_LAYOUT.dirname(step))
+        return {"common": {"iteration": common.iteration, "counters": _counters_or_none(common)}}
+
+    def _check_arguments(self, manifest: Manifest, args: Any, source: str) -> None:
+        compare_config(manifest.config, _config(args))
+        mega = manifest.expectation.get("megatron", {})
+        position = mega.get("scheduler_position")
+        recorded = mega.get("lr_schedule_ahead")
+        if not isinstance(position, int) or not isinstance(recorded, list):
+            return
+        planned = MegatronSchedule.from_args(args).lr_ahead(position, args.global_batch_size, len(recorded))
+        flat = [row[0] for row in planned]
+        if flat != recorded:
+            i = next(i for i, (a, b) in enumerate(zip(recorded, flat)) if a != b)
+            error = ContinuityError(
+                f"lr_ahead[+{i}]", recorded[i], flat[i],
+                "the run's arguments (--lr, --min-lr, --lr-warmup-*, --lr-decay-*) give another LR "
+                f"at update {manifest.train_state.updates_successful + i + 1} than the checkpoint's schedule")
+            if not self.accept_schedule_change:
+                raise error
+            log.warning("resume: accepted schedule change: %s", error)
+
+    def after_load(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> None:
+        """Collective, after Megatron's load: the continuity check on the live objects."""
+        loaded = self.loaded
+        if loaded is None:
+            if iteration:
+                self._skipped_base = None  # unknown until the next save derives it
+            return
+        expected = Expectation.from_dict(loaded.manifest.expectation, source=loaded.source)
+        recorded = loaded.manifest.train_state
+        if iteration != loaded.manifest.step:
+            raise ContinuityError("iteration", loaded.manifest.step, iteration,
+                                  "Megatron loaded another checkpoint than the one verified")
+        if args.consumed_train_samples != recorded.samples_read:
+            raise ContinuityError("counters.samples_read", recorded.samples_read, args.consumed_train_samples)
+        position = recorded.updates_successful * args.global_batch_size
+        if scheduler.num_steps != position:
+            raise ContinuityError("scheduler.position", f"{position} samples (updates_successful x global "
+                                  "batch)", scheduler.num_steps, "the scheduler did not resume where it stopped")
+        actual_lr = lr_ahead_megatron(scheduler, args.global_batch_size, len(expected.lr_ahead),
+                                      _group_overrides(optimizer))
+        if actual_lr != expected.lr_ahead and not self.accept_schedule_change:
+            k = next(i for i, (a, b) in enumerate(zip(expected.lr_ahead, actual_lr)) if a != b)
+            raise ContinuityError(f"lr_ahead[+{k}]", expected.lr_ahead[k], actual_lr[k],
+                                  "the learning-rate schedule does not continue where it stopped")
+        live_schedule = [MegatronSchedule.from_scheduler(scheduler).to_dict()]
+        if live_schedule != expected.schedule and not self.accept_schedule_change:
+            for key in sorted(live_schedule[0]):
+                if expected.schedule[0].get(key) != live_schedule[0][key]:
+                    raise ContinuityError(f"schedule[0].{key}", expected.schedule[0].get(key),
+                                          live_schedule[0][key], "the scheduler was rebuilt differently")
+        ids = next_batch_ids(args.consumed_train_samples, args.global_batch_size)
+        if expected.next_batch is not None and expected.next_batch["ids"] != ids:
+            raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
+                                  "the data stream does not continue where it stopped")
+        self._check_rng(expected, loaded.manifest, args)
+        self._skipped_base = recorded.updates_skipped
+        self._skipped_since = 0
+        if self.comm.rank == 0:
+            log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
+                     "updates)", MEGATRON_LAYOUT.dirname(iteration), iteration,
+                     recorded.updates_successful, recorded.updates_skipped)
+
+    def _check_rng(self, expected: Expectation, manifest: Manifest, args: Any) -> None:
+        same_layout = manifest.topology == _topology(args, self.comm.world_size)
+        if not same_layout or getattr(args, "no_load_rng", False) or getattr(args, "finetune", False):
+            return  # Megatron restores RNG per (pp, tp) rank only on the same layout
+        digest = self.rng.digest(self.rng.capture())
+        rank = self.comm.rank
+        if rank < len(expected.rng) and expected.rng[rank] != digest:
+            raise ContinuityError(f"rng (rank {rank})", expected.rng[rank], digest,
+                                  "a generator was re-seeded or not restored")
+
+    # -- save requests (resume save RUN) ----------------------------------------------------------
+
+    def poll_control(self) -> list[SaveRequest]:
+        """Collective: the pending ``resume save`` requests (rank 0 looks, at most every control_poll_s)."""
+        requests: list[SaveRequest] = []
+        if self.comm.rank == 0 and self.clock() - self._last_poll >= self.control_poll_s:
+            self._last_poll = self.clock()
+            try:
+                requests = pending_requests(self.run)
+            except Exception as e:  # noqa: BLE001 - a broken control area must not stop training
+                log.warning("resume: cannot read save requests under %s: %s", self.run.url, e)
+        (has,) = self.comm.max_flags([bool(requests)])
+        return self.comm.broadcast_object(requests, src=0) if has else []
+
+    def answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
+        if self.comm.rank != 0:
+            return
+        for request in requests:
+            try:
+                answer_request(self.run, request, step=step, error=error)
+            except Exception as e:  # noqa: BLE001 - the save is done; the asker times out
+                log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only; every rank gets its value, or its error."""
+        result, exc = _guard(lambda: {"value": fn()}) if self.comm.rank == 0 else (None, None)
+        result = self.comm.broadcast_object(result, src=0)
+        _raise_any([result], "on rank 0", exc, ResumeError)
+        return result["value"]
+
+
+def vet_byte_entries(storage: Any, step_dir: str) -> None:
+    """Read every object entry of a torch_dist checkpoint with ``torch.load(weights_only=True)``.
+
+    Megatron loads them with full unpickling; a planted global fails here,
+    naming the entry, before Megatron reads anything.
+    """
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from .dcp_safe import restricted_load_metadata
+
+    meta_path = join(step_dir, ".metadata")
+    metadata = restricted_load_metadata(storage.read_bytes(meta_path), source=storage.url(meta_path))
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        path = join(step_dir, info.relative_path)
+        with storage.open_read(path) as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        try:
+            with torch.serialization.safe_globals([argparse.Namespace, types.SimpleNamespace]):
+                torch.load(io.BytesIO(raw), weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UnsafeCheckpointError(f"{storage.url(path)}: entry {index.fqn!r}: expected plain data, "
+                                        f"actual a pickle that weights-only loading refuses ({first})") from e
+
+
+def _counters_or_none(common: CommonState) -> dict | None:
+    try:
+        return common.counters().to_dict()
+    except ResumeError:
+        return None
+
+
+def _walk(run: Run, d: str) -> list[str]:
+    """Every file under ``d``, relative to it."""
+    out = []
+    for name in run.storage.listdir(d):
+        path = join(d, name)
+        if run.storage.isdir(path):
+            out.extend(join(name, sub) for sub in _walk(run, path))
+        else:
+            out.append(name)
+    return out
+
+
+def _config(args: Any) -> dict:
+    return {"global_batch": args.global_batch_size, "seq_length": getattr(args, "seq_length", None),
+            "data": _data_config(args)}
+
+
+def _topology(args: Any, world_size: int) -> dict:
+    return {"world_size": world_size,
+            "tensor_parallel": getattr(args, "tensor_model_parallel_size", 1),
+            "pipeline_parallel": getattr(args, "pipeline_model_parallel_size", 1),
+            "context_parallel": getattr(args, "context_parallel_size", 1),
+            "data_parallel": getattr(args, "data_parallel_size", None)}
+
+
+def _guard(fn: Callable[[], dict | None]) -> tuple[dict, BaseException | None]:
+    """Run a local phase; an error becomes a value every rank learns (no rank left in a collective)."""
+    try:
+        return {"ok": True, **(fn() or {})}, None
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _raise_any
+        return {"ok": False, "error": str(e) if isinstance(e, ResumeError) else f"{type(e).__name__}: {e}"}, e
+
+
+def _raise_any(results: list[dict | None], what: str, local: BaseException | None,
+               error: type[ResumeError] = SaveFailedError) -> None:
+    """The rank that failed raises its own error; the others ``error`` naming it."""
+    if local is not None:
+        raise local
+    for rank, r in enumerate(results):
+        if r is not None and not r.get("ok", True):
+            raise error(f"{what}: rank {rank}: {r['error']}")
+
+
+def _default_comm() -> Comm:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .torch_native import TorchDistComm
+
+        return TorchDistComm()
+    return LocalComm()
+
+
+# -- megatron.training ------------------------------------------------------------------------------
+
+
+def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> MegatronRecorder:
+    """Wire the recorder into ``megatron.training`` (save, load, the step, the exit decision).
+
+    Call once, before ``pretrain(...)``. Wraps, by name, in both modules that
+    bind them: ``checkpointing.save_checkpoint``/``load_checkpoint`` and
+    ``training.save_checkpoint``/``load_checkpoint``/``train_step``/
+    ``checkpoint_and_decide_exit``. ``options`` go to ``MegatronRecorder``
+    when it is created here (from ``args.save`` at the first call).
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    from megatron.training import checkpointing, training
+    from megatron.training.global_vars import get_args
+
+    box: dict[str, MegatronRecorder | None] = {"r": recorder}
+
+    def rec() -> MegatronRecorder | None:
+        if box["r"] is None:
+            save_dir = get_args().save or get_args().load
+            if save_dir:
+                box["r"] = MegatronRecorder(save_dir, **options)
+        return box["r"]
+
+    original_save = checkpointing.save_checkpoint
+    original_load = checkpointing.load_checkpoint
+    original_step = training.train_step
+    original_decide = training.checkpoint_and_decide_exit
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
+        result = original_save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
+        args = get_args()
+        r = rec()
+        if r is None or kw.get("non_persistent_ckpt") or args.ckpt_format != "torch_dist":
+            return result
+        if args.async_save:
+            log.warning("resume: async save: no manifest for iteration %d (written only for "
+                        "synchronous saves in this version)", iteration)
+            return result
+        r.after_save(iteration, args, opt_param_scheduler, optimizer)
+        return result
+
+    def load_checkpoint(model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
+        args = get_args()
+        load_dir = getattr(args, kw.get("load_arg", "load"), None)
+        r = rec()
+        if r is None or not load_dir or open_storage(load_dir).root != r.run.storage.root:
+            return original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+        r.before_load(args)
+        result = original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+        iteration = result[0] if isinstance(result, tuple) else result
+        r.after_load(iteration, args, opt_param_scheduler, optimizer)
+        return result
+
+    def train_step(*a: Any, **kw: Any):
+        result = original_step(*a, **kw)
+        r = rec()
+        if r is not None and isinstance(result, tuple) and len(result) > 1:
+            r.count_iteration(skipped=bool(result[1]))
+        return result
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
+                                   num_floating_point_operations_so_far, checkpointing_context,
+                                   train_data_iterator):
+        r = rec()
+        requests = r.poll_control() if r is not None and get_args().save else []
+        if requests:
+            try:
+                training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                                  num_floating_point_operations_so_far,
+                                                  checkpointing_context,
+                                                  train_data_iterator=train_data_iterator)
+            except Exception as e:
+                r.answer(requests, step=None, error=str(e))
+                raise
+            r.answer(requests, step=iteration)
+            if any(q.stop for q in requests):
+                return True
+        return original_decide(model, optimizer, opt_param_scheduler, iteration,
+                               num_floating_point_operations_so_far, checkpointing_context,
+                               train_data_iterator)
+
+    for module in (checkpointing, training):
+        if hasattr(module, "save_checkpoint"):
+            module.save_checkpoint = save_checkpoint
+        if hasattr(module, "load_checkpoint"):
+            module.load_checkpoint = load_checkpoint
+    training.train_step = train_step
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    log.info("resume: Megatron integration installed (manifests beside each torch_dist save)")
+    return rec() or _Lazy(rec)  # type: ignore[return-value]
+
+
+class _Lazy:
+    """The recorder before ``args`` exist: resolved at first use."""
+
+    def __init__(self, get: Callable[[], MegatronRecorder | None]) -> None:
+        self._get = get
+
+    def __getattr__(self, name: str) -> Any:
+        recorder = self._get()
+        if recorder is None:
+            raise AttributeError(f"resume: no recorder yet (args.save is not set): {name}")
+        return getattr(recorder, name)
+
