@@ -26,10 +26,10 @@ def reference_schedule() -> MegatronSchedule:
 def megatron_scheduler(**overrides):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    kwargs = dict(init_lr=0.0, max_lr=REFERENCE.lr, min_lr=REFERENCE.min_lr,
-                  lr_warmup_steps=REFERENCE.warmup_samples, lr_decay_steps=REFERENCE.decay_samples,
-                  lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                  wd_incr_steps=REFERENCE.train_samples, wd_incr_style="constant")
+    kwargs = {"init_lr": 0.0, "max_lr": REFERENCE.lr, "min_lr": REFERENCE.min_lr,
+                  "lr_warmup_steps": REFERENCE.warmup_samples, "lr_decay_steps": REFERENCE.decay_samples,
+                  "lr_decay_style": "cosine", "start_wd": 0.1, "end_wd": 0.1,
+                  "wd_incr_steps": REFERENCE.train_samples, "wd_incr_style": "constant"}
     kwargs.update(overrides)
     return OptimizerParamScheduler(stub_optimizer(1), **kwargs)
 
