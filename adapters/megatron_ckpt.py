@@ -312,3 +312,61 @@ def read_common_state(storage: Storage, iteration: int) -> CommonState:
         raise ManifestError(f"{source}: {COMMON_KEY}: expected {info.length} bytes at offset "
                             f"{info.offset}, actual {len(raw)} (truncated file)")
     return common_state_from_dict(unpickle_torch_save(raw, source=source), source=source)
+
+
+# -- verification (resume verify on a Megatron save directory) --------------------------------------
+
+
+def tracker_problems(storage: Storage) -> list[str]:
+    """Megatron's pointer must name an iteration that exists."""
+    try:
+        require_save_dir(storage)
+    except (CheckpointNotFoundError, ManifestError) as e:
+        return [str(e)]
+    return []
+
+
+def unrecorded_counters(storage: Storage, iteration: int) -> TrainState | None:
+    """Counters derived from Megatron's own state, for an iteration without our manifest."""
+    try:
+        require_torch_dist(storage, iteration)
+        return read_common_state(storage, iteration).counters()
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def cross_check(storage: Storage, iteration: int, recorded: TrainState, expectation: dict) -> list[str]:
+    """Megatron's own state must agree with our manifest: format, counters, scheduler position."""
+    try:
+        require_torch_dist(storage, iteration)
+        common = read_common_state(storage, iteration)
+    except (OSError, ValueError, RuntimeError) as e:
+        return [str(e)]
+    problems = []
+    if common.iteration != iteration:
+        problems.append(f"{common.source}: common_state.iteration: expected {iteration} (the directory's), "
+                        f"actual {common.iteration}")
+    try:
+        derived = common.counters()
+    except (ManifestError, InvariantError) as e:
+        return [*problems, str(e)]
+    for name in ("iteration", "samples_read", "updates_successful", "updates_skipped"):
+        if getattr(derived, name) != getattr(recorded, name):
+            problems.append(f"{common.source}: {name}: expected {getattr(recorded, name)} (manifest), "
+                            f"actual {getattr(derived, name)} (Megatron's state)")
+    position = (expectation.get("megatron") or {}).get("scheduler_position")
+    if position is not None and position != common.scheduler_position:
+        problems.append(f"{common.source}: opt_param_scheduler.num_steps: expected {position} (manifest), "
+                        f"actual {common.scheduler_position}")
+    recorded_lr = (expectation.get("megatron") or {}).get("lr_schedule_ahead")
+    if recorded_lr and not problems:
+        try:
+            schedule = common.schedule()
+        except ManifestError as e:
+            return [str(e)]
+        gbs = common.args["global_batch_size"]
+        lrs = [row[0] for row in schedule.lr_ahead(common.scheduler_position, gbs, len(recorded_lr))]
+        if lrs != recorded_lr:
+            problems.append(f"{common.source}: opt_param_scheduler: expected the LR ahead {recorded_lr} "
+                            f"(manifest), actual {lrs} from the saved schedule")
+    return problems

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from .errors import (
     ResumeError,
     UsageError,
 )
-from .run import CheckResult, Run
+from .run import MEGATRON_TRACKER, CheckResult, Run
 
 __all__ = ["cli", "main"]
 
@@ -206,17 +207,27 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
             result.problems.extend(_semantic_problems(run, result))
             if deep:
                 result.problems.extend(_check_dcp_metadata(run, result))
+            if run.layout.name == "megatron":
+                result.problems.extend(_megatron_problems(run, result))
         results.append(result)
+    pointer: list[str] = []  # Megatron's tracker must name an iteration that exists
+    if run.layout.name == "megatron" and step is None:
+        from .adapters.megatron_ckpt import tracker_problems
+
+        pointer = tracker_problems(run.storage)
 
     # A step directory without any manifest is a save that never finished:
     # listed, not a problem, unless it was asked for by --step.
     problems = [(r.step, p) for r in results if r.has_manifest or step is not None for p in r.problems]
+    problems += [(None, p) for p in pointer]
     ok = not problems and any(r.committed for r in results)
     if as_json:
-        _emit_json({"ok": ok, "deep": deep, "steps": [
-            {"step": r.step, "status": r.status, "committed": r.committed, "problems": r.problems}
-            for r in results]})
+        _emit_json({"ok": ok, "deep": deep, "layout": run.layout.name, "pointer_problems": pointer,
+                    "steps": [{"step": r.step, "status": r.status, "committed": r.committed,
+                               "problems": r.problems} for r in results]})
     else:
+        for p in pointer:
+            click.echo(f"{MEGATRON_TRACKER}  PROBLEM: {p}")
         for r in results:
             if r.committed:
                 state = r.manifest.train_state  # type: ignore[union-attr]
@@ -235,6 +246,14 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
         click.echo(f"resume: error: {run.url}: expected a committed checkpoint, actual none", err=True)
         return EXIT_NOTHING if step is None else EXIT_PROBLEM
     return EXIT_OK
+
+
+def _megatron_problems(run: Run, result: CheckResult) -> list[str]:
+    """Megatron's own state (format, counters, schedule) must agree with our manifest."""
+    from .adapters.megatron_ckpt import cross_check
+
+    assert result.manifest is not None
+    return cross_check(run.storage, result.step, result.manifest.train_state, result.manifest.expectation)
 
 
 def _check_with_progress(run: Run, step: int, *, deep: bool, show: bool) -> CheckResult:
@@ -268,10 +287,14 @@ def ls_command(run_url: str, as_json: bool) -> int:
     """List checkpoints with their counters; uncommitted step directories say why."""
     run = Run.open(run_url)
     results = [run.check(s) for s in run.step_dirs()]
+    derived = _derived_counters(run, results)
     if as_json:
-        _emit_json({"run": run.url, "latest_hint": run.latest_hint(), "checkpoints": [
+        _emit_json({"run": run.url, "layout": run.layout.name, "latest_hint": run.latest_hint(),
+                    "checkpoints": [
             {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
-             "train_state": r.manifest.train_state.to_dict() if r.manifest else None,
+             "train_state": (r.manifest.train_state.to_dict() if r.manifest else
+                             derived[r.step].to_dict() if r.step in derived else None),
+             "counters_derived": r.manifest is None and r.step in derived,
              "bytes": r.manifest.total_bytes if r.manifest else None,
              "created_at": r.manifest.created_at if r.manifest else None} for r in results]})
         return EXIT_OK if results else EXIT_NOTHING
@@ -289,9 +312,29 @@ def ls_command(run_url: str, as_json: bool) -> int:
                        f"{_human_bytes(r.manifest.total_bytes):>10}  {r.manifest.created_at}")
             if not r.committed:
                 click.echo(f"{'':>10}  {r.reason}")
+        elif r.step in derived:
+            s = derived[r.step]
+            click.echo(f"{r.step:>10}  {'unrecorded':<11}  {s.iteration:>9}  {s.samples_read:>10}  "
+                       f"{s.updates_successful:>8}  {s.updates_skipped:>7}  {'':>10}  "
+                       "(no resume manifest; counters derived from Megatron's state, not verified)")
         else:
             click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
     return EXIT_OK
+
+
+def _derived_counters(run: Run, results: list[CheckResult]) -> dict:
+    """Megatron checkpoints saved without our manifest: the counters from Megatron's own state."""
+    if run.layout.name != "megatron":
+        return {}
+    from .adapters.megatron_ckpt import unrecorded_counters
+
+    out = {}
+    for r in results:
+        if r.manifest is None and not r.has_manifest:
+            state = unrecorded_counters(run.storage, r.step)
+            if state is not None:
+                out[r.step] = state
+    return out
 
 
 @cli.command()
@@ -612,6 +655,71 @@ def drill(run_url: str | None, ranks: int, iterations: int, every: int, kills: i
 
 
 class DrillFailed(ResumeError):
+    exit_code = EXIT_PROBLEM
+
+
+# -- megatron ----------------------------------------------------------------------------------
+
+
+@cli.group()
+def megatron() -> None:
+    """Megatron-LM: the arguments the orchestrator needs. `verify`, `ls` and `inspect` take a
+    Megatron save directory (--save) as RUN."""
+
+
+@megatron.command(name="args")
+@click.option("--save", "save_dir", default=None, help="Megatron's --save/--load directory.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="GPUs (default 5120).")
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size (default 8).")
+@click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline-parallel size (default 8).")
+@click.option("--save-interval", type=click.IntRange(min=1), default=None,
+              help="Iterations between scheduled saves (default 500).")
+@click.option("--exit-signal", default=None, help="Signal for --exit-signal-handler (default SIGTERM).")
+@click.option("--check", is_flag=True,
+              help="Parse and validate them with Megatron's own parser (needs megatron-core).")
+@json_option
+@command
+def megatron_args(save_dir: str | None, world_size: int | None, tp: int | None, pp: int | None,
+                  save_interval: int | None, exit_signal: str | None, check: bool, as_json: bool) -> int:
+    """Print Megatron-LM's arguments for the reference run (TP8 x PP8 x DP80, 1,920 x 8,192,
+    AdamW, sample-based warm-up + cosine, bf16, distributed optimizer) with the checkpoint
+    and exit flags `resume` relies on. Exits 0; 1 if --check finds a problem."""
+    import dataclasses
+
+    from .adapters.megatron_args import REFERENCE, check_with_megatron_parser
+
+    given = {"save_dir": save_dir, "world_size": world_size, "tensor_parallel": tp,
+             "pipeline_parallel": pp, "save_interval": save_interval, "exit_signal": exit_signal}
+    run_args = dataclasses.replace(REFERENCE, **{k: v for k, v in given.items() if v is not None})
+    checked = None
+    if check:
+        try:
+            parsed = check_with_megatron_parser(run_args)
+        except UsageError as e:
+            raise CheckFailed(str(e)) from e
+        checked = {"data_parallel_size": parsed.data_parallel_size,
+                   "num_micro_batches_per_rank": parsed.global_batch_size
+                   // (parsed.micro_batch_size * parsed.data_parallel_size)}
+    if as_json:
+        _emit_json({"argv": run_args.argv(), "environment": run_args.environment(), "checked": checked,
+                    "groups": {what: flags for what, flags in run_args.groups()}})
+        return EXIT_OK
+    for name, value in run_args.environment().items():
+        click.echo(f"export {name}={value}")
+    # A bash array: comments are allowed inside it, and the launch line stays
+    # `torchrun ... pretrain_gpt.py "${MEGATRON_ARGS[@]}"`.
+    click.echo("MEGATRON_ARGS=(")
+    for what, flags in run_args.groups():
+        click.echo(f"  # {what}\n  {' '.join(shlex.quote(f) for f in flags)}")
+    click.echo(")")
+    if checked is not None:
+        click.echo(f"# checked with Megatron's parser and validate_args: data-parallel size "
+                   f"{checked['data_parallel_size']}, {checked['num_micro_batches_per_rank']} "
+                   "micro-batches per rank", err=True)
+    return EXIT_OK
+
+
+class CheckFailed(ResumeError):
     exit_code = EXIT_PROBLEM
 
 
