@@ -51,6 +51,7 @@ from resume.comm import Comm, LocalComm
 from resume.continuity import Expectation, compare_config
 from resume.control import SaveRequest, answer_request, pending_requests
 from resume.errors import (
+    CheckpointNotFoundError,
     ContinuityError,
     InvariantError,
     NoValidCheckpointError,
@@ -161,6 +162,7 @@ class MegatronRecorder:
         self.loaded: _Loaded | None = None
         self._skipped_base: int | None = None  # skipped updates at the last load or save
         self._skipped_since = 0
+        self._skipped_samples_base = 0
         self._last_poll = float("-inf")
 
     @property
@@ -184,14 +186,25 @@ class MegatronRecorder:
                                    "rampup_batch_size": getattr(args, "rampup_batch_size", None)},
                              scheduler={"num_steps": scheduler.num_steps})
         state = common.counters()
-        if self._skipped_base is not None and state.updates_skipped != self._skipped_base + self._skipped_since:
-            raise InvariantError(
-                f"live state: updates_skipped: expected {self._skipped_base} + {self._skipped_since} "
-                f"counted since the last checkpoint, actual {state.updates_skipped} "
-                f"(iteration {iteration} - scheduler position {scheduler.num_steps} / global batch "
-                f"{args.global_batch_size})")
+        if self._skipped_base is not None:
+            # Skips counted as they happened: those train_step reported, plus the
+            # iterations Megatron skips without a train_step (--iterations-to-skip),
+            # which it books in args.skipped_train_samples.
+            explicit = (args.skipped_train_samples - self._skipped_samples_base) // args.global_batch_size
+            counted = self._skipped_base + self._skipped_since + explicit
+            if state.updates_skipped != counted:
+                raise InvariantError(
+                    f"live state: updates_skipped: expected {counted} (counted as they happened), actual "
+                    f"{state.updates_skipped} = iteration {iteration} - scheduler position "
+                    f"{scheduler.num_steps} / global batch {args.global_batch_size} (was the scheduler "
+                    "stepped on a skipped update, or not stepped on an applied one?)")
         state.check_invariants(global_batch=args.global_batch_size, where="live state")
         return state
+
+    def _reset_count(self, skipped: int | None, args: Any) -> None:
+        self._skipped_base = skipped
+        self._skipped_since = 0
+        self._skipped_samples_base = getattr(args, "skipped_train_samples", 0) or 0
 
     # -- save -------------------------------------------------------------------------------------
 
@@ -242,8 +255,7 @@ class MegatronRecorder:
         else:
             result = {}
         _raise_any([self.comm.broadcast_object(result, src=0)], f"commit of {d}", exc)
-        self._skipped_base = gathered[0]["state"]["updates_skipped"]
-        self._skipped_since = 0
+        self._reset_count(gathered[0]["state"]["updates_skipped"], args)
         if manifest is not None:
             log.info("resume: committed %s (%d files, %d bytes)", MEGATRON_LAYOUT.dirname(iteration),
                      len(files), manifest.total_bytes)
@@ -267,6 +279,12 @@ class MegatronRecorder:
         """Collective, before Megatron's load: choose and vet the checkpoint; None: nothing of ours."""
         self.loaded = None
         candidates = self._on_rank0(self._list_candidates)
+        pinned = getattr(args, "ckpt_step", None)
+        if pinned:  # the user asked for this iteration (--ckpt-step): that one or nothing
+            candidates = [c for c in candidates if c[0] == pinned]
+            if not candidates:
+                raise CheckpointNotFoundError(f"{self.run.storage.url(MEGATRON_LAYOUT.dirname(pinned))}: "
+                                              "expected the checkpoint --ckpt-step names, actual missing")
         chosen: Manifest | None = None
         passed_over: list[tuple[int, str]] = []
         for step, text, reason in candidates:
@@ -351,8 +369,9 @@ class MegatronRecorder:
         """Collective, after Megatron's load: the continuity check on the live objects."""
         loaded = self.loaded
         if loaded is None:
-            if iteration:
-                self._skipped_base = None  # unknown until the next save derives it
+            # A fresh start counts from zero; an unrecorded checkpoint's count is
+            # unknown until the next save derives it.
+            self._reset_count(None if iteration else 0, args)
             return
         expected = Expectation.from_dict(loaded.manifest.expectation, source=loaded.source)
         recorded = loaded.manifest.train_state
@@ -382,8 +401,7 @@ class MegatronRecorder:
             raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
                                   "the data stream does not continue where it stopped")
         self._check_rng(expected, loaded.manifest, args)
-        self._skipped_base = recorded.updates_skipped
-        self._skipped_since = 0
+        self._reset_count(recorded.updates_skipped, args)
         if self.comm.rank == 0:
             log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
                      "updates)", MEGATRON_LAYOUT.dirname(iteration), iteration,
@@ -578,8 +596,12 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
         r = rec()
         if r is None or not load_dir or open_storage(load_dir).root != r.run.storage.root:
             return original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+        pinned = getattr(args, "ckpt_step", None)
         r.before_load(args)
-        result = original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+        try:
+            result = original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+        finally:
+            args.ckpt_step = pinned  # a choice made for this load only
         iteration = result[0] if isinstance(result, tuple) else result
         r.after_load(iteration, args, opt_param_scheduler, optimizer)
         return result

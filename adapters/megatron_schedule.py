@@ -118,16 +118,18 @@ class MegatronSchedule:
     def from_args(cls, args: Any) -> MegatronSchedule:
         """The schedule ``megatron.training`` builds from its arguments (get_optimizer_param_scheduler)."""
         gbs = args.global_batch_size
-        if getattr(args, "train_iters", None):
-            decay = (args.lr_decay_iters or args.train_iters) * gbs
-            wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
-            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                      else args.lr_warmup_iters * gbs)
-        elif getattr(args, "train_samples", None):
+        # Samples first: Megatron fills in args.train_iters from train_samples
+        # while it builds the scheduler, so both are set afterwards.
+        if getattr(args, "train_samples", None):
             decay = args.lr_decay_samples or args.train_samples
             wsd = getattr(args, "lr_wsd_decay_samples", None)
             warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
                       else args.lr_warmup_samples)
+        elif getattr(args, "train_iters", None):
+            decay = (args.lr_decay_iters or args.train_iters) * gbs
+            wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
+            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                      else args.lr_warmup_iters * gbs)
         else:
             raise UsageError("arguments: expected --train-iters or --train-samples, actual neither")
         wsd_style = getattr(args, "lr_wsd_decay_style", None)

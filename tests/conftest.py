@@ -9,3 +9,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+@pytest.fixture(scope="session")
+def megatron_save(tmp_path_factory):
+    """A Megatron save directory written by megatron.training's own save_checkpoint with resume
+    installed (iterations 4 and 6). Tests that change it work on a copy."""
+    from megatron_support import require_megatron
+    from multiproc import run_ranks
+
+    require_megatron()
+    save_dir = str(tmp_path_factory.mktemp("megatron") / "save")
+    from megatron_training_run import train_and_save
+
+    result = run_ranks(train_and_save, 1, save_dir)[0]
+    assert result["recorder_url"] == save_dir
+    return save_dir, result

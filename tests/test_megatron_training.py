@@ -1,0 +1,104 @@
+"""megatron.training's real save_checkpoint/load_checkpoint at world size 1, with resume installed:
+our manifest beside each save, the counters Megatron does not keep, the continuity check on load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from multiproc import run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
+
+
+
+def _resume(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
+    import megatron_training_run as m
+    from resume.adapters.megatron import install
+
+    from resume.errors import ContinuityError
+
+    args, model, optimizer, scheduler = m.fresh(save_dir, tuple(extra))
+    recorder = install()
+    try:
+        iteration = m.load(args, model, optimizer, scheduler)
+    except ContinuityError as e:
+        return {"error": {"item": e.item, "expected": e.expected, "actual": e.actual, "message": str(e)}}
+    expected = recorder.loaded.manifest.expectation
+    it = m.train(args, model, optimizer, scheduler, recorder, until=iteration + 1, start=iteration)
+    return {"iteration": iteration, "ckpt_step_after": args.ckpt_step,
+            "consumed": args.consumed_train_samples, "lr_applied": optimizer.param_groups[0]["lr"],
+            "promised": expected["lr_ahead"][1][0], "next_ids": expected["next_batch"]["ids"], "it": it}
+
+
+@pytest.fixture
+def trained(megatron_save):
+    return megatron_save
+
+
+def _manifest(save_dir: str, iteration: int) -> dict:
+    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
+        return json.load(f)
+
+
+def test_each_megatron_save_gets_a_manifest_with_the_three_counters(trained):
+    save_dir, result = trained
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "6"
+    first, second = _manifest(save_dir, 4), _manifest(save_dir, 6)
+    # One overflow skip by iteration 4: successful = iteration - 1.
+    assert (first["train_state"]["iteration"], first["train_state"]["updates_successful"],
+            first["train_state"]["updates_skipped"]) == (4, 3, 1)
+    # Plus one --iterations-to-skip iteration by 6.
+    assert (second["train_state"]["updates_successful"], second["train_state"]["updates_skipped"]) == (4, 2)
+    assert second["train_state"]["samples_read"] == 6 * 4
+    assert second["expectation"]["next_batch"]["ids"] == [24, 25, 26, 27]
+    assert second["expectation"]["lr_ahead"][0][0] == result["lr_now"]
+    listed = set(second["files"])
+    on_disk = set(os.listdir(os.path.join(save_dir, "iter_0000006"))) - {"resume-manifest.json"}
+    assert listed == on_disk and ".metadata" in listed
+
+
+def test_resume_checks_and_continues_with_the_recorded_batch_and_lr(trained):
+    save_dir, _ = trained
+    out = run_ranks(_resume, 1, save_dir, [])[0]
+    assert "error" not in out, out
+    assert out["iteration"] == 6 and out["consumed"] == 24 + 4
+    assert out["lr_applied"] == out["promised"]
+    assert out["next_ids"] == [24, 25, 26, 27]
+
+
+def test_changed_lr_decay_samples_is_a_continuity_error_naming_both_lrs(trained):
+    save_dir, _ = trained
+    out = run_ranks(_resume, 1, save_dir, ["--lr-decay-samples", "480"])[0]
+    err = out["error"]
+    assert err["item"] == "lr_ahead[+0]"
+    recorded = _manifest(save_dir, 6)["expectation"]["megatron"]["lr_schedule_ahead"][0]
+    assert err["expected"] == recorded and err["actual"] != recorded
+    assert str(recorded) in err["message"] and str(err["actual"]) in err["message"]
+
+
+def test_override_scheduler_flag_does_not_hide_the_change(trained):
+    """With --override-opt_param-scheduler Megatron would silently take the new length."""
+    save_dir, _ = trained
+    out = run_ranks(_resume, 1, save_dir, ["--lr-decay-samples", "480", "--override-opt_param-scheduler"])[0]
+    assert out["error"]["item"] == "lr_ahead[+0]"
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(trained, tmp_path):
+    import shutil
+
+    save_dir, _ = trained
+    copy = str(tmp_path / "save")
+    shutil.copytree(save_dir, copy)
+    shard = os.path.join(copy, "iter_0000006", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = run_ranks(_resume, 1, copy, [])[0]
+    assert "error" not in out, out
+    assert out["iteration"] == 4 and out["consumed"] == 16 + 4
+    assert out["ckpt_step_after"] in (None, 0)  # the choice does not outlive the load
