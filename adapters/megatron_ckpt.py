@@ -326,6 +326,15 @@ def tracker_problems(storage: Storage) -> list[str]:
     return []
 
 
+def format_problems(storage: Storage, iteration: int) -> list[str]:
+    """An iteration directory Megatron could load but resume cannot read (legacy format)."""
+    try:
+        require_torch_dist(storage, iteration)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    return []
+
+
 def unrecorded_counters(storage: Storage, iteration: int) -> TrainState | None:
     """Counters derived from Megatron's own state, for an iteration without our manifest."""
     try:

@@ -210,11 +210,12 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
             if run.layout.name == "megatron":
                 result.problems.extend(_megatron_problems(run, result))
         results.append(result)
-    pointer: list[str] = []  # Megatron's tracker must name an iteration that exists
-    if run.layout.name == "megatron" and step is None:
-        from .adapters.megatron_ckpt import tracker_problems
+    pointer: list[str] = []  # Megatron's tracker must name an iteration it can load
+    if run.layout.name == "megatron":
+        from .adapters.megatron_ckpt import format_problems, tracker_problems
 
-        pointer = tracker_problems(run.storage)
+        pointer = tracker_problems(run.storage) if step is None else []
+        pointer += [p for r in results if not r.has_manifest for p in format_problems(run.storage, r.step)]
 
     # A step directory without any manifest is a save that never finished:
     # listed, not a problem, unless it was asked for by --step.

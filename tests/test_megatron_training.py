@@ -17,7 +17,7 @@ def _resume(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
     import megatron_training_run as m
     from resume.adapters.megatron import install
 
-    from resume.errors import ContinuityError
+    from resume.errors import ContinuityError, ResumeError
 
     args, model, optimizer, scheduler = m.fresh(save_dir, tuple(extra))
     recorder = install()
@@ -25,6 +25,8 @@ def _resume(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
         iteration = m.load(args, model, optimizer, scheduler)
     except ContinuityError as e:
         return {"error": {"item": e.item, "expected": e.expected, "actual": e.actual, "message": str(e)}}
+    except ResumeError as e:
+        return {"error": {"type": type(e).__name__, "message": str(e)}}
     expected = recorder.loaded.manifest.expectation
     it = m.train(args, model, optimizer, scheduler, recorder, until=iteration + 1, start=iteration)
     return {"iteration": iteration, "ckpt_step_after": args.ckpt_step,
@@ -102,3 +104,33 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(trained, tmp_p
     assert "error" not in out, out
     assert out["iteration"] == 4 and out["consumed"] == 16 + 4
     assert out["ckpt_step_after"] in (None, 0)  # the choice does not outlive the load
+
+
+def test_planted_pickle_is_refused_before_megatron_unpickles_it(trained, tmp_path, monkeypatch):
+    """Megatron reads .metadata with plain pickle; resume reads it first, with an allow-list."""
+    import pickle
+    import shutil
+
+    from test_megatron_cli import _Planted
+
+    from resume.checksum import checksum_bytes
+
+    save_dir, _ = trained
+    copy = str(tmp_path / "save")
+    shutil.copytree(save_dir, copy)
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    data = pickle.dumps(_Planted())
+    step_dir = os.path.join(copy, "iter_0000006")
+    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
+        f.write(data)
+    path = os.path.join(step_dir, "resume-manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    out = run_ranks(_resume, 1, copy, [])[0]
+    assert out["error"]["type"] == "UnsafeCheckpointError", out
+    assert "posix.system" in out["error"]["message"] and "refused" in out["error"]["message"]
+    assert not marker.exists()

@@ -1,0 +1,139 @@
+"""resume verify, ls and inspect on a Megatron save directory written by megatron.training;
+bad input and a planted pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+from test_cli import assert_one_line_error, resume
+
+from resume.checksum import checksum_bytes
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
+
+
+@pytest.fixture
+def save(megatron_save, tmp_path):
+    copy = str(tmp_path / "save")
+    shutil.copytree(megatron_save[0], copy)
+    return copy
+
+
+def test_ls_reports_the_three_counters_of_each_megatron_checkpoint(save):
+    proc = resume("ls", save, "--json")
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(proc.stdout)
+    assert body["layout"] == "megatron" and body["latest_hint"] == 6
+    counters = {c["step"]: (c["status"], c["train_state"]["iteration"], c["train_state"]["samples_read"],
+                            c["train_state"]["updates_successful"], c["train_state"]["updates_skipped"])
+                for c in body["checkpoints"]}
+    assert counters == {4: ("committed", 4, 16, 3, 1), 6: ("committed", 6, 24, 4, 2)}
+    text = resume("ls", save).stdout
+    assert "committed" in text and text.count("\n") == 3
+
+
+def test_verify_deep_passes_and_inspect_shows_counters_and_next_batch(save):
+    proc = resume("verify", save, "--deep")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "iter_0000006  ok (checksums)" in proc.stdout
+    proc = resume("inspect", save)
+    assert proc.returncode == 0, proc.stderr
+    assert "updates 4 successful / 2 skipped" in proc.stdout
+    assert "[24, 25, 26, 27]" in proc.stdout
+    assert "megatron-core" in proc.stdout
+
+
+def test_a_flipped_byte_in_a_shard_fails_verify_naming_the_file(save):
+    shard = os.path.join(save, "iter_0000006", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 1]))
+    assert resume("verify", save).returncode == 0  # sizes still right
+    assert_one_line_error(resume("verify", save, "--deep"), 1, "iter_0000006/__0_0.distcp", "checksum")
+
+
+def test_megatron_state_that_contradicts_the_manifest_fails_verify(save):
+    path = os.path.join(save, "iter_0000006", "resume-manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["train_state"].update(updates_successful=5, updates_skipped=1)  # still iteration 6
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    assert_one_line_error(resume("verify", save, "--step", "6"), 1, "updates_successful: expected 5 "
+                          "(manifest), actual 4 (Megatron's state)")
+
+
+def test_tracker_pointing_at_a_missing_iteration_is_named(save):
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("9")
+    assert_one_line_error(resume("verify", save), 1, "latest_checkpointed_iteration.txt",
+                          "iter_0000009/", "actual missing")
+
+
+def test_legacy_torch_format_is_named(save):
+    legacy = os.path.join(save, "iter_0000008", "mp_rank_00")
+    os.makedirs(legacy)
+    with open(os.path.join(legacy, "model_optim_rng.pt"), "wb") as f:
+        f.write(b"legacy")
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("8")
+    assert_one_line_error(resume("verify", save), 1, "iter_0000008", "legacy torch format",
+                          "--ckpt-format torch_dist")
+
+
+def test_not_a_megatron_save_or_empty_is_nothing_there(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    assert_one_line_error(resume("ls", str(tmp_path)), 3, "expected checkpoints, actual none")
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PLANTED_MARKER']}",))
+
+
+def test_planted_metadata_pickle_runs_nothing_and_is_named(save, tmp_path, monkeypatch):
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    data = pickle.dumps(_Planted())
+    step_dir = os.path.join(save, "iter_0000006")
+    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
+        f.write(data)
+    # An attacker who also rewrites our manifest: sizes and checksums agree again.
+    path = os.path.join(step_dir, "resume-manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    proc = resume("verify", save, "--deep", "--step", "6")
+    assert_one_line_error(proc, 1, "iter_0000006/.metadata", "posix.system", "refused")
+    assert not marker.exists()
+
+
+def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path, monkeypatch):
+    """Megatron's common state is a torch.save blob; ours reads it as data: a planted global
+    becomes an inert record, plain values come through."""
+    import argparse
+    import io
+
+    import torch
+
+    from resume.adapters.megatron_ckpt import Opaque, common_state_from_dict, unpickle_torch_save
+
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    args = argparse.Namespace(global_batch_size=8, consumed_train_samples=40, hook=_Planted())
+    buf = io.BytesIO()
+    torch.save([{"args": args, "iteration": 5, "checkpoint_version": 3.0,
+                 "opt_param_scheduler": {"num_steps": 32}}], buf)
+    common = unpickle_torch_save(buf.getvalue(), source="planted")
+    assert not marker.exists()
+    assert isinstance(common[0]["args"]["hook"], Opaque)
+    state = common_state_from_dict(common, source="planted")
+    assert state.counters().to_dict()["updates_skipped"] == 1  # 5 iterations, 32 / 8 = 4 successful
