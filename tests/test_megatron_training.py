@@ -134,3 +134,40 @@ def test_planted_pickle_is_refused_before_megatron_unpickles_it(trained, tmp_pat
     assert out["error"]["type"] == "UnsafeCheckpointError", out
     assert "posix.system" in out["error"]["message"] and "refused" in out["error"]["message"]
     assert not marker.exists()
+
+
+def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict:
+    """The two ways a save is asked of a running Megatron job: `resume save` (a request under
+    control/, answered after the manifest commits) and Megatron's --exit-signal-handler."""
+    import os
+    import signal
+
+    import megatron_training_run as m
+
+    from resume.adapters.megatron import install
+    from resume.control import post_save_request
+    from resume.run import MEGATRON_LAYOUT, Run
+
+    args, model, optimizer, scheduler = m.fresh(save_dir, ("--exit-signal-handler",))
+    from megatron.training import training  # after fresh(): needs the typing.override alias
+    recorder = install(control_poll_s=0.0)
+    m.load(args, model, optimizer, scheduler)
+    it = m.train(args, model, optimizer, scheduler, recorder, until=2, start=0)
+    run = Run.open(save_dir, create=True, layout=MEGATRON_LAYOUT)
+    request = post_save_request(run, stop=False, reason="test")
+    exit_after_request = training.checkpoint_and_decide_exit(model, optimizer, scheduler, it, 0.0, {}, None)
+    with open(os.path.join(save_dir, "control", request.request_id + ".result")) as f:
+        answer = json.load(f)
+    it = m.train(args, model, optimizer, scheduler, recorder, until=3, start=it)
+    os.kill(os.getpid(), signal.SIGTERM)  # Megatron's handler only sets a flag
+    exit_after_signal = training.checkpoint_and_decide_exit(model, optimizer, scheduler, it, 0.0, {}, None)
+    return {"answer": answer, "exit_after_request": exit_after_request,
+            "exit_after_signal": exit_after_signal, "committed": run.committed_steps()}
+
+
+def test_resume_save_request_and_exit_signal_both_commit_a_manifest(tmp_path):
+    out = run_ranks(_save_on_request_and_on_signal, 1, str(tmp_path / "save"))[0]
+    assert out["answer"]["step"] == 2 and out["answer"]["error"] is None
+    assert out["exit_after_request"] is False
+    assert out["exit_after_signal"] is True
+    assert out["committed"] == [2, 3]
