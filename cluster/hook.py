@@ -33,7 +33,7 @@ from typing import Any
 
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
-from resume.run import Run, utc_now
+from resume.run import MEGATRON_LAYOUT, Run, detect_layout, utc_now
 
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
 
@@ -68,6 +68,10 @@ class HookConfig:
     step_exit_s: float = 60.0
     """After the save, how long the step may take to leave by itself before it is stopped."""
     poll_s: float = 0.5
+    exit_signal: str | None = None
+    """Ask for the save with this signal to the step instead of a save request: for Megatron-LM
+    with --exit-signal-handler (it saves and exits on it). The hook then waits for a manifest
+    newer than the last one, i.e. "committed", not "Megatron's tracker file changed"."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -76,6 +80,13 @@ class HookConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"slurm run: --{name.replace('_', '-')}: expected >= 1, "
                                  f"actual {getattr(self, name)}")
+        if self.exit_signal is not None:
+            try:
+                signal.Signals[self.exit_signal if self.exit_signal.startswith("SIG")
+                               else "SIG" + self.exit_signal]
+            except KeyError:
+                raise UsageError(f"slurm run: --exit-signal: expected a signal name such as SIGTERM, "
+                                 f"actual {self.exit_signal!r}") from None
         if self.global_batch % self.micro_batch:
             raise UsageError(f"slurm run: --global-batch: expected a multiple of --micro-batch "
                              f"{self.micro_batch}, actual {self.global_batch}")
@@ -109,7 +120,10 @@ class Supervisor:
         self.clock = clock
         self.sleep = sleep
         self.env = dict(os.environ if env is None else env)
-        self.rundir = Run.open(cfg.run_url, create=True)
+        # With --exit-signal the run is a Megatron save directory, which may
+        # still be empty at the first start; otherwise detected (again) as it fills.
+        self.rundir = Run.open(cfg.run_url, create=True,
+                               layout=MEGATRON_LAYOUT if cfg.exit_signal else None)
         self.state = self._load_state()
         self._signal: int | None = None
         full = (len(job.nodes) - cfg.spares) // cfg.nodes_per_replica
@@ -230,32 +244,66 @@ class Supervisor:
         if proc.poll() is not None:
             self.event("save_skipped", exit_code=proc.returncode,
                        reason="the step had already ended: requeue from the last checkpoint")
+        elif self.cfg.exit_signal is not None:
+            saved = self._save_by_exit_signal(proc, save_wait)
         else:
-            request = post_save_request(self.rundir, stop=True, reason=f"slurm hook: {name}")
-
-            def watch(remaining: float) -> None:
-                if proc.poll() is not None:
-                    raise _StepEnded()
-
-            try:
-                step = wait_for_answer(self.rundir, request, timeout=save_wait, poll=self.cfg.poll_s,
-                                       clock=self.clock, sleep=self.sleep, on_wait=watch)
-                saved = True
-                self.event("saved", step=step, reason="checkpoint committed after the signal")
-            except _StepEnded:
-                self.event("save_skipped", exit_code=proc.returncode,
-                           reason="the step ended before it answered the save request")
-            except ResumeError as e:
-                self.event("save_failed", reason=str(e))
-            finally:
-                if not saved:  # a stale stop request would end the requeued run early
-                    withdraw_request(self.rundir, request)
+            saved = self._save_by_request(proc, name, save_wait)
         spent = self.clock() - started
         exit_wait = self.cfg.step_exit_s if lead is None else \
             max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
         self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
         return self._requeue("requeued", reason=f"after {name}")
+
+    def _save_by_request(self, proc: Any, name: str, save_wait: float) -> bool:
+        """A save request under the run's control area; the job answers after its commit."""
+        request = post_save_request(self.rundir, stop=True, reason=f"slurm hook: {name}")
+        saved = False
+
+        def watch(remaining: float) -> None:
+            if proc.poll() is not None:
+                raise _StepEnded()
+
+        try:
+            step = wait_for_answer(self.rundir, request, timeout=save_wait, poll=self.cfg.poll_s,
+                                   clock=self.clock, sleep=self.sleep, on_wait=watch)
+            saved = True
+            self.event("saved", step=step, reason="checkpoint committed after the signal")
+        except _StepEnded:
+            self.event("save_skipped", exit_code=proc.returncode,
+                       reason="the step ended before it answered the save request")
+        except ResumeError as e:
+            self.event("save_failed", reason=str(e))
+        finally:
+            if not saved:  # a stale stop request would end the requeued run early
+                withdraw_request(self.rundir, request)
+        return saved
+
+    def _save_by_exit_signal(self, proc: Any, save_wait: float) -> bool:
+        """Megatron's --exit-signal-handler: signal the step, wait for a newer committed manifest.
+
+        srun forwards the signal to every task; Megatron agrees across ranks at the
+        next iteration, saves, and exits. The wait ends at the commit (our manifest
+        beside Megatron's files), not at Megatron's tracker file.
+        """
+        sig = self.cfg.exit_signal or "SIGTERM"
+        before = self._latest_committed()
+        proc.send_signal(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig])
+        deadline = self.clock() + save_wait
+        while True:
+            latest = self._latest_committed()
+            if latest is not None and (before is None or latest > before):
+                self.event("saved", step=latest, reason=f"checkpoint committed after {sig} to the step")
+                return True
+            if proc.poll() is not None:
+                self.event("save_skipped", exit_code=proc.returncode,
+                           reason=f"the step ended after {sig} without a new committed checkpoint")
+                return False
+            if self.clock() >= deadline:
+                self.event("save_failed", reason=f"no checkpoint newer than {before} committed within "
+                                                 f"{save_wait:.0f}s of {sig}")
+                return False
+            self.sleep(self.cfg.poll_s)
 
     def _requeue_excluding(self, reason: str) -> int:
         # A plain requeue: the nodes recorded bad are down or drained, which
@@ -374,6 +422,8 @@ class Supervisor:
         self.rundir.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
 
     def _latest_committed(self) -> int | None:
+        if self.cfg.exit_signal is None:
+            self.rundir.layout = detect_layout(self.rundir.storage)
         manifest, _ = self.rundir.find_latest()
         return manifest.step if manifest is not None else None
 

@@ -24,6 +24,8 @@ class SbatchTemplate:
     time: str | None = None
     partition: str | None = None
     output: str = "resume-%j.out"
+    exit_signal: str | None = None
+    """Megatron-LM's --exit-signal: the hook asks for the save with it."""
     python: str = sys.executable
     """The interpreter (and so the environment) the hook runs in: the one writing the script."""
 
@@ -46,7 +48,8 @@ class SbatchTemplate:
                 "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
                 "--nodes-per-replica", str(self.nodes_per_replica),
                 "--tasks-per-node", str(self.tasks_per_node), "--spares", str(self.spares),
-                "--grace", str(self.grace_s), "--", *self.command]
+                "--grace", str(self.grace_s),
+                *(["--exit-signal", self.exit_signal] if self.exit_signal else []), "--", *self.command]
         lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
                  "# The hook is the batch script's main process (exec): it receives USR1/TERM,",
                  "# starts the training step with srun, saves, relaunches on spares, shrinks,",

@@ -533,6 +533,12 @@ def hook_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+exit_signal_option = click.option(
+    "--exit-signal", default=None, metavar="SIGNAL",
+    help="Ask for the save by sending SIGNAL to the step (Megatron-LM's --exit-signal-handler, "
+         "e.g. SIGTERM) instead of a save request; the hook waits for the committed manifest.")
+
+
 @slurm.command(name="run", context_settings={"ignore_unknown_options": True})
 @hook_options
 @click.option("--crash-loop", type=int, default=3, show_default=True,
@@ -540,12 +546,13 @@ def hook_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--grace", type=click.FloatRange(min=1), default=None,
               help="Seconds between USR1/TERM and Slurm's kill: save, stop and requeue fit in it "
                    "[default: wait for the save as long as measured saves need].")
+@exit_signal_option
 @click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                 metavar="-- COMMAND...")
 @command
 def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
               tasks_per_node: int, spares: int, crash_loop: int, grace: float | None,
-              command_args: tuple[str, ...]) -> int:
+              exit_signal: str | None, command_args: tuple[str, ...]) -> int:
     """Start the training step with srun and supervise it (the batch script's main process)."""
     from .cluster.hook import HookConfig, Supervisor
     from .cluster.slurm import Slurm, SlurmJob
@@ -555,7 +562,8 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
     cluster.check_installed()
     cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
                      micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
-                     tasks_per_node=tasks_per_node, spares=spares, crash_loop=crash_loop, grace_s=grace)
+                     tasks_per_node=tasks_per_node, spares=spares, crash_loop=crash_loop, grace_s=grace,
+                     exit_signal=exit_signal)
     return Supervisor(cfg, job, cluster).run()
 
 
@@ -570,13 +578,14 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
 @click.option("--output", default="resume-%j.out", show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the script here instead of printing it.")
+@exit_signal_option
 @click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                 metavar="-- COMMAND...")
 @command
 def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
              tasks_per_node: int, spares: int, nodes: int, grace: int | None, time_limit: str | None,
              partition: str | None, job_name: str, output: str, out_file: str | None,
-             command_args: tuple[str, ...]) -> int:
+             exit_signal: str | None, command_args: tuple[str, ...]) -> int:
     """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook."""
     from .cluster.hook import HookConfig
     from .cluster.template import SbatchTemplate
@@ -584,7 +593,7 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
     # The hook's own checks, now rather than inside the allocation.
     HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
                micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
-               tasks_per_node=tasks_per_node, spares=spares)
+               tasks_per_node=tasks_per_node, spares=spares, exit_signal=exit_signal)
     if nodes < nodes_per_replica + spares:
         raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
                          f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")
@@ -593,7 +602,7 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
                             nodes_per_replica=nodes_per_replica, tasks_per_node=tasks_per_node,
                             spares=spares, grace_s=grace if grace is not None else _measured_grace(run_url),
                             job_name=job_name, time=time_limit, partition=partition,
-                            output=output).render()
+                            output=output, exit_signal=exit_signal).render()
     if out_file:
         with open(out_file, "w") as f:
             f.write(script)

@@ -40,7 +40,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, join, open_storage
 
 __all__ = ["MEGATRON_LAYOUT", "RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout",
-           "parse_step_dirname", "step_dirname"]
+           "detect_layout", "parse_step_dirname", "step_dirname"]
 
 log = logging.getLogger("resume")
 

@@ -123,7 +123,6 @@ def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path, monkeypatch
     import io
 
     import torch
-
     from resume.adapters.megatron_ckpt import Opaque, common_state_from_dict, unpickle_torch_save
 
     marker = tmp_path / "code-ran"

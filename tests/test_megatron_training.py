@@ -143,8 +143,8 @@ def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict
     import signal
 
     import megatron_training_run as m
-
     from resume.adapters.megatron import install
+
     from resume.control import post_save_request
     from resume.run import MEGATRON_LAYOUT, Run
 

@@ -371,3 +371,65 @@ def test_hardware_failures_do_not_count_towards_a_crash_loop(tmp_path):
     assert sup.run() == 0
     assert json.loads((tmp_path / "run" / "cluster" / "hook.json").read_text())["bad_nodes"] == [
         "n1", "n2", "n3"]
+
+
+def test_exit_signal_mode_signals_the_step_and_waits_for_the_committed_manifest(tmp_path):
+    """Megatron-LM with --exit-signal-handler: the hook forwards the signal to the step (srun
+    passes it to every task) and counts the save only once our manifest is committed."""
+    from resume.checksum import checksum_bytes
+    from resume.manifest import FileEntry, Manifest
+    from resume.run import MEGATRON_LAYOUT
+    from resume.state import TrainState
+
+    save_dir = tmp_path / "run"
+
+    class MegatronStep(FakeStep):
+        """Saves iteration 12 and exits 0 when it gets SIGTERM; the manifest lands a bit later."""
+
+        def send_signal(self, sig):
+            super().send_signal(sig)
+            if sig == signal.SIGTERM:
+                (save_dir / "iter_0000012").mkdir(parents=True)
+                (save_dir / "iter_0000012" / "__0_0.distcp").write_bytes(b"shard")
+                (save_dir / "latest_checkpointed_iteration.txt").write_text("12")
+                run = Run.open(str(save_dir), layout=MEGATRON_LAYOUT)
+                run.write_manifest(Manifest(step=12, train_state=TrainState(
+                    iteration=12, samples_read=96, updates_successful=11, updates_skipped=1),
+                    files={"__0_0.distcp": FileEntry(5, checksum_bytes(b"shard"))}))
+
+        def poll(self):
+            return 0 if self.signals else None
+
+    step = MegatronStep(0)
+
+    def start():
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        return step
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=30, step_exit_s=0.05,
+                          exit_signal="SIGTERM")
+        sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
+        assert sup.run() == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    saved = next(e for e in events(tmp_path) if e["event"] == "saved")
+    assert saved["step"] == 12 and "SIGTERM" in saved["reason"]
+    assert step.signals[0] == signal.SIGTERM
+    assert not (save_dir / "control").exists() or not os.listdir(save_dir / "control")
+    assert ("scontrol", "requeue", "42") in slurm.calls
+
+
+def test_exit_signal_must_be_a_signal_name(tmp_path):
+    with pytest.raises(UsageError, match="--exit-signal"):
+        HookConfig(run_url=str(tmp_path), command=["train"], global_batch=8, exit_signal="SIGNOPE")
+
+
+def test_template_passes_the_exit_signal_to_the_hook():
+    from resume.cluster.template import SbatchTemplate
+
+    script = SbatchTemplate(run_url="/ckpt/run", command=["python", "pretrain_gpt.py"], nodes=2,
+                            global_batch=8, exit_signal="SIGTERM").render()
+    assert "--exit-signal SIGTERM -- python pretrain_gpt.py" in script
