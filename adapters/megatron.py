@@ -563,11 +563,17 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     from megatron.training import checkpointing, training
     from megatron.training.global_vars import get_args
 
+    if _INSTALLED:  # once per process: wrapping the wrappers would record every save twice
+        return _INSTALLED[0]
     box: dict[str, MegatronRecorder | None] = {"r": recorder}
 
     def rec() -> MegatronRecorder | None:
         if box["r"] is None:
-            save_dir = get_args().save or get_args().load
+            try:
+                args = get_args()
+            except AssertionError:  # install() runs before pretrain() parses the arguments
+                return None
+            save_dir = args.save or args.load
             if save_dir:
                 box["r"] = MegatronRecorder(save_dir, **options)
         return box["r"]
@@ -642,11 +648,16 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     training.train_step = train_step
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     log.info("resume: Megatron integration installed (manifests beside each torch_dist save)")
-    return rec() or _Lazy(rec)  # type: ignore[return-value]
+    handle = _Lazy(rec)
+    _INSTALLED.append(handle)
+    return handle  # type: ignore[return-value]
+
+
+_INSTALLED: list[Any] = []
 
 
 class _Lazy:
-    """The recorder before ``args`` exist: resolved at first use."""
+    """The recorder, resolved at first use (``install()`` may run before ``args`` exist)."""
 
     def __init__(self, get: Callable[[], MegatronRecorder | None]) -> None:
         self._get = get

@@ -19,8 +19,8 @@ def _resume(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
 
     from resume.errors import ContinuityError, ResumeError
 
+    recorder = install()  # as a launch script does: before Megatron has parsed its arguments
     args, model, optimizer, scheduler = m.fresh(save_dir, tuple(extra))
-    recorder = install()
     try:
         iteration = m.load(args, model, optimizer, scheduler)
     except ContinuityError as e:
