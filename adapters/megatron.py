@@ -58,9 +58,9 @@ from resume.errors import (
     ResumeError,
     SaveFailedError,
     UnsafeCheckpointError,
+    UsageError,
 )
 from resume.manifest import FileEntry, Manifest
-from resume.rng import RngRegistry
 from resume.run import MEGATRON_LAYOUT, Run
 from resume.state import TrainState
 from resume.storage import join, open_storage
@@ -158,8 +158,8 @@ class MegatronRecorder:
         self.accept_schedule_change = accept_schedule_change
         self.control_poll_s = control_poll_s
         self.clock = clock
-        self.rng = RngRegistry()
         self.loaded: _Loaded | None = None
+        self.last_committed: int | None = None
         self._skipped_base: int | None = None  # skipped updates at the last load or save
         self._skipped_since = 0
         self._skipped_samples_base = 0
@@ -219,13 +219,29 @@ class MegatronRecorder:
                            "digest": digest_parts([repr(sorted(data.items()))] + [str(i) for i in ids])},
             "lr_ahead": lr_ahead_megatron(scheduler, gbs, self.lr_lookahead, _group_overrides(optimizer)),
             "schedule": [schedule.to_dict()],
-            "rng": self.rng.digest(self.rng.capture()),
             "megatron": {
                 "scheduler_position": int(scheduler.num_steps),
                 "increment": gbs,
                 "lr_schedule_ahead": [row[0] for row in
                                       schedule.lr_ahead(scheduler.num_steps, gbs, self.lr_lookahead)]},
         }
+
+    def before_save(self, iteration: int) -> None:
+        """Collective, before Megatron writes ``iter_<iteration>/``: an old manifest there goes first.
+
+        Megatron saves into an existing directory without clearing it (a second
+        save of the same iteration, or reaching again an iteration whose
+        checkpoint was passed over); its files must never sit under a manifest
+        that describes other bytes.
+        """
+        path = self.run.manifest_path(iteration)
+
+        def drop() -> None:
+            if self.run.storage.exists(path):
+                log.warning("resume: %s is being rewritten: its manifest is withdrawn first",
+                            MEGATRON_LAYOUT.dirname(iteration))
+                self.run.storage.delete(path)
+        self._on_rank0(drop)
 
     def after_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> Manifest | None:
         """Collective, after Megatron's synchronous save returned: write the manifest (the commit)."""
@@ -245,7 +261,7 @@ class MegatronRecorder:
         if self.comm.rank == 0:
             first = gathered[0]
             expectation = dict(first["expectation"])
-            expectation["rng"] = [g["expectation"]["rng"] for g in gathered]
+            expectation["rng"] = [g["rng"] for g in gathered]
             expectation["world_size"] = self.comm.world_size
             manifest = Manifest(step=iteration, train_state=TrainState(**first["state"]), files=files,
                                 expectation=expectation, topology=_topology(args, self.comm.world_size),
@@ -256,6 +272,7 @@ class MegatronRecorder:
             result = {}
         _raise_any([self.comm.broadcast_object(result, src=0)], f"commit of {d}", exc)
         self._reset_count(gathered[0]["state"]["updates_skipped"], args)
+        self.last_committed = iteration
         if manifest is not None:
             log.info("resume: committed %s (%d files, %d bytes)", MEGATRON_LAYOUT.dirname(iteration),
                      len(files), manifest.total_bytes)
@@ -270,66 +287,112 @@ class MegatronRecorder:
         for rel in share:
             size, checksum = checksum_file(self.run.storage, join(d, rel))
             files[rel] = (size, checksum)
-        return {"state": state.to_dict(), "files": files,
-                "expectation": self.expectation(state, args, scheduler, optimizer)}
+        # Only rank 0's view of the next batch and the LR goes into the manifest;
+        # the others send their files and RNG digest (5,120 copies of 1,920 ids add up).
+        out = {"state": state.to_dict(), "files": files, "rng": rng_digest()}
+        if self.comm.rank == 0:
+            out["expectation"] = self.expectation(state, args, scheduler, optimizer)
+        return out
 
     # -- load -------------------------------------------------------------------------------------
 
     def before_load(self, args: Any) -> int | None:
-        """Collective, before Megatron's load: choose and vet the checkpoint; None: nothing of ours."""
+        """Collective, before Megatron's load: choose and vet the checkpoint; None: nothing of ours.
+
+        Newest first, rank 0 runs the commit check until one passes; then every
+        rank checksums its share; a checkpoint that fails is passed over for the
+        next older one. Megatron is pointed at the choice (``args.ckpt_step``)
+        when its tracker names another. Whatever Megatron will load, its pickles
+        are read first with restricted loaders.
+        """
         self.loaded = None
-        candidates = self._on_rank0(self._list_candidates)
-        pinned = getattr(args, "ckpt_step", None)
-        if pinned:  # the user asked for this iteration (--ckpt-step): that one or nothing
-            candidates = [c for c in candidates if c[0] == pinned]
-            if not candidates:
-                raise CheckpointNotFoundError(f"{self.run.storage.url(MEGATRON_LAYOUT.dirname(pinned))}: "
-                                              "expected the checkpoint --ckpt-step names, actual missing")
+        check_supported(args)
+        pinned = getattr(args, "ckpt_step", None) or None
         chosen: Manifest | None = None
         passed_over: list[tuple[int, str]] = []
-        for step, text, reason in candidates:
-            if text is None:
-                passed_over.append((step, reason))
-                continue
-            manifest = Manifest.from_json(text, source=self.run.storage.url(self.run.manifest_path(step)))
+        below: int | None = pinned + 1 if pinned else None
+        any_recorded = False
+        while True:
+            found = self._on_rank0(lambda b=below: self._next_committed(b, only=pinned))
+            passed_over += [tuple(p) for p in found["passed_over"]]
+            any_recorded = any_recorded or found["text"] is not None or found["recorded"]
+            if found["text"] is None:
+                break
+            manifest = Manifest.from_json(found["text"],
+                                          source=self.run.storage.url(self.run.manifest_path(found["step"])))
             problems = self._verify_share(manifest) if self.verify_on_load else []
-            if problems:
-                passed_over.append((step, "; ".join(problems)))
-                continue
-            chosen = manifest
-            break
+            if not problems:
+                chosen = manifest
+                break
+            passed_over.append((found["step"], "; ".join(problems)))
+            below = found["step"]
+            if pinned:
+                break
         if self.comm.rank == 0:
             for step, why in passed_over:
                 log.warning("resume: passing over %s: %s", MEGATRON_LAYOUT.dirname(step), why)
         if chosen is None:
-            if any(text is not None for _, text, _ in candidates):
+            if pinned and not passed_over and not any_recorded:
+                exists = self._on_rank0(lambda: self.run.storage.isdir(MEGATRON_LAYOUT.dirname(pinned)))
+                if not exists:
+                    raise CheckpointNotFoundError(
+                        f"{self.run.storage.url(MEGATRON_LAYOUT.dirname(pinned))}: expected the checkpoint "
+                        "--ckpt-step names, actual missing")
+            if any_recorded:
                 raise NoValidCheckpointError(
                     f"{self.run.url}: expected a checkpoint whose files verify, actual none ("
                     + "; ".join(f"{MEGATRON_LAYOUT.dirname(s)}: {w}" for s, w in passed_over[:3]) + ")")
-            if candidates:
-                log.warning("resume: %s: no checkpoint has a resume manifest; Megatron loads its own "
-                            "choice and continuity is NOT checked for this restart", self.run.url)
+            megatron_choice = pinned or self._on_rank0(lambda: _tracker_or_none(self.run.storage))
+            if megatron_choice:
+                log.warning("resume: %s: no resume manifest; Megatron loads %s and continuity is NOT "
+                            "checked for this restart", self.run.url, MEGATRON_LAYOUT.dirname(megatron_choice))
+                self._on_rank0(lambda: self._vet_pickles(megatron_choice, None))
             return None
         source = self.run.storage.url(self.run.manifest_path(chosen.step))
         # The run's arguments against the record, before Megatron touches anything.
         self._check_arguments(chosen, args, source)
-        self._on_rank0(lambda: self._vet_pickles(chosen.step))
-        tracker = self._on_rank0(lambda: read_tracker(self.run.storage))
+        self._on_rank0(lambda: self._vet_pickles(chosen.step, chosen))
+        tracker = self._on_rank0(lambda: _tracker_or_none(self.run.storage))
         if tracker != chosen.step:
+            if tracker is None and getattr(args, "pretrained_checkpoint", None):
+                return None  # Megatron loads the pretrained checkpoint, not this directory
             log.warning("resume: loading %s, not %s named by Megatron's tracker",
                         MEGATRON_LAYOUT.dirname(chosen.step), tracker)
             args.ckpt_step = chosen.step
+        if self._non_persistent_wins(args, chosen.step):
+            log.warning("resume: Megatron prefers its non-persistent checkpoint over %s: no resume "
+                        "manifest, continuity is NOT checked for this restart",
+                        MEGATRON_LAYOUT.dirname(chosen.step))
+            return None
         self.loaded = _Loaded(chosen, source)
         return chosen.step
 
-    def _list_candidates(self) -> list[tuple[int, str | None, str]]:
+    def _next_committed(self, below: int | None, *, only: int | None) -> dict:
+        """Rank 0: the newest committed checkpoint below ``below``; what was passed over on the way."""
         if not self.run.storage.isdir(""):
-            return []
-        out = []
+            return {"step": None, "text": None, "passed_over": [], "recorded": False}
+        passed_over, recorded = [], False
         for step in reversed(iteration_dirs(self.run.storage)):
+            if (below is not None and step >= below) or (only and step != only):
+                continue
             result = self.run.check(step)
-            out.append((step, result.manifest.to_json() if result.committed else None, result.reason))
-        return out
+            recorded = recorded or result.has_manifest
+            if result.committed:
+                return {"step": step, "text": result.manifest.to_json(), "passed_over": passed_over,
+                        "recorded": True}
+            passed_over.append((step, result.reason))
+        return {"step": None, "text": None, "passed_over": passed_over, "recorded": recorded}
+
+    def _non_persistent_wins(self, args: Any, step: int) -> bool:
+        """Megatron loads a non-persistent checkpoint when it is at least as new (checkpointing.py)."""
+        if not getattr(args, "non_persistent_save_interval", None):
+            return False
+        if getattr(args, "non_persistent_ckpt_type", "global") != "global":
+            return True  # local checkpoints: where they stand is the local manager's business
+        directory = getattr(args, "non_persistent_global_ckpt_dir", None) or join(self.run.storage.root,
+                                                                                   "non_persistent")
+        iteration = self._on_rank0(lambda: _tracker_or_none(open_storage(directory)))
+        return iteration is not None and iteration >= step
 
     def _verify_share(self, manifest: Manifest) -> list[str]:
         share = sorted(manifest.files)[self.comm.rank::self.comm.world_size]
@@ -339,11 +402,21 @@ class MegatronRecorder:
         _raise_any(gathered, "checksum verification", exc)
         return [p for g in gathered for p in g["problems"]]
 
-    def _vet_pickles(self, step: int) -> dict:
-        """Every pickle Megatron will unpickle, read first with restricted loaders."""
+    def _vet_pickles(self, step: int, manifest: Manifest | None) -> dict:
+        """Every pickle Megatron will unpickle, read first with restricted loaders.
+
+        With a manifest, a file in the directory that it does not list is refused:
+        Megatron would read e.g. a planted ``common.pt``.
+        """
+        d = MEGATRON_LAYOUT.dirname(step)
+        if manifest is not None:
+            unlisted = sorted(set(_walk(self.run, d)) - set(manifest.files) - {MEGATRON_LAYOUT.manifest_name})
+            if unlisted:
+                raise UnsafeCheckpointError(f"{self.run.storage.url(d)}: files: expected only those the "
+                                            f"manifest lists, actual also {unlisted[:5]} (refused)")
         require_torch_dist(self.run.storage, step)
         common = read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
-        vet_byte_entries(self.run.storage, MEGATRON_LAYOUT.dirname(step))
+        vet_byte_entries(self.run.storage, d)
         return {"common": {"iteration": common.iteration, "counters": _counters_or_none(common)}}
 
     def _check_arguments(self, manifest: Manifest, args: Any, source: str) -> None:
@@ -353,6 +426,8 @@ class MegatronRecorder:
         recorded = mega.get("lr_schedule_ahead")
         if not isinstance(position, int) or not isinstance(recorded, list):
             return
+        if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+            return  # Megatron takes the checkpoint's schedule, not the arguments'; after_load checks it
         planned = MegatronSchedule.from_args(args).lr_ahead(position, args.global_batch_size, len(recorded))
         flat = [row[0] for row in planned]
         if flat != recorded:
@@ -400,7 +475,9 @@ class MegatronRecorder:
         if expected.next_batch is not None and expected.next_batch["ids"] != ids:
             raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
                                   "the data stream does not continue where it stopped")
-        self._check_rng(expected, loaded.manifest, args)
+        problem, exc = _guard(lambda: self._check_rng(expected, loaded.manifest, args))
+        _raise_any(self.comm.all_gather_object(problem), "RNG check", exc,
+                   lambda message: ContinuityError("rng (another rank)", "restored generators", message))
         self._reset_count(recorded.updates_skipped, args)
         if self.comm.rank == 0:
             log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
@@ -408,10 +485,13 @@ class MegatronRecorder:
                      recorded.updates_successful, recorded.updates_skipped)
 
     def _check_rng(self, expected: Expectation, manifest: Manifest, args: Any) -> None:
+        """This rank's generators, where Megatron restores them exactly (every rank then agrees)."""
         same_layout = manifest.topology == _topology(args, self.comm.world_size)
         if not same_layout or getattr(args, "no_load_rng", False) or getattr(args, "finetune", False):
             return  # Megatron restores RNG per (pp, tp) rank only on the same layout
-        digest = self.rng.digest(self.rng.capture())
+        if getattr(args, "data_parallel_random_init", False) and _data_parallel_rank() != 0:
+            return  # Megatron gives every data-parallel rank the state of data-parallel rank 0
+        digest = rng_digest()
         rank = self.comm.rank
         if rank < len(expected.rng) and expected.rng[rank] != digest:
             raise ContinuityError(f"rng (rank {rank})", expected.rng[rank], digest,
@@ -482,6 +562,66 @@ def vet_byte_entries(storage: Any, step_dir: str) -> None:
                                         f"actual a pickle that weights-only loading refuses ({first})") from e
 
 
+def rng_digest() -> str:
+    """A digest of what Megatron saves and restores per rank: python, numpy, torch CPU, the
+    current CUDA device and Megatron's CUDA RNG tracker states (not other devices')."""
+    import random
+    import sys
+
+    import torch
+
+    parts = [repr(random.getstate())]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        parts.append(f"{name}:{digest_parts([keys.tobytes().hex()])}:{pos}:{has_gauss}:{cached!r}")
+    parts.append(torch.get_rng_state().numpy().tobytes().hex())
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_rng_state().numpy().tobytes().hex())
+    tracker = sys.modules.get("megatron.core.tensor_parallel.random")
+    if tracker is not None:
+        try:
+            states = tracker.get_cuda_rng_tracker().get_states()
+        except Exception:  # noqa: BLE001 - a tracker never seeded has nothing to compare
+            states = {}
+        for name in sorted(states):
+            parts.append(f"{name}:{states[name].cpu().numpy().tobytes().hex()}")
+    return digest_parts(parts)
+
+
+def _data_parallel_rank() -> int:
+    try:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+    except Exception:  # noqa: BLE001 - not initialised: treat as the one rank
+        return 0
+
+
+def _tracker_or_none(storage: Any) -> int | None:
+    try:
+        return read_tracker(storage)
+    except (OSError, ResumeError):
+        return None
+
+
+def check_supported(args: Any) -> None:
+    """Settings whose saves resume cannot record yet: refused before training, not at a save."""
+    problems = []
+    if getattr(args, "async_save", False):
+        problems.append("--async-save (manifests are written for synchronous saves only)")
+    if getattr(args, "rampup_batch_size", None):
+        problems.append("--rampup-batch-size (the counters assume a constant global batch)")
+    if getattr(args, "decrease_batch_size_if_needed", False):
+        problems.append("--decrease-batch-size-if-needed (the counters assume a constant global batch)")
+    if getattr(args, "save_retain_interval", None):
+        problems.append("--save-retain-interval (Megatron deletes the previous checkpoint before the "
+                        "new one is committed)")
+    if problems:
+        raise UsageError("megatron arguments: expected none of " + ", ".join(problems) + " with "
+                         "resume.adapters.megatron installed, actual set")
+
+
 def _counters_or_none(common: CommonState) -> dict | None:
     try:
         return common.counters().to_dict()
@@ -523,7 +663,7 @@ def _guard(fn: Callable[[], dict | None]) -> tuple[dict, BaseException | None]:
 
 
 def _raise_any(results: list[dict | None], what: str, local: BaseException | None,
-               error: type[ResumeError] = SaveFailedError) -> None:
+               error: Callable[[str], ResumeError] = SaveFailedError) -> None:
     """The rank that failed raises its own error; the others ``error`` naming it."""
     if local is not None:
         raise local
@@ -584,16 +724,16 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     original_decide = training.checkpoint_and_decide_exit
 
     def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
-        result = original_save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
         args = get_args()
         r = rec()
-        if r is None or kw.get("non_persistent_ckpt") or args.ckpt_format != "torch_dist":
-            return result
-        if args.async_save:
-            log.warning("resume: async save: no manifest for iteration %d (written only for "
-                        "synchronous saves in this version)", iteration)
-            return result
-        r.after_save(iteration, args, opt_param_scheduler, optimizer)
+        recorded = (r is not None and not kw.get("non_persistent_ckpt") and args.ckpt_format == "torch_dist"
+                    and opt_param_scheduler is not None)  # upcycling saves a model alone
+        if recorded:
+            check_supported(args)
+            r.before_save(iteration)
+        result = original_save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
+        if recorded:
+            r.after_save(iteration, args, opt_param_scheduler, optimizer)
         return result
 
     def load_checkpoint(model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
@@ -603,7 +743,7 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
         if r is None or not load_dir or open_storage(load_dir).root != r.run.storage.root:
             return original_load(model, optimizer, opt_param_scheduler, *a, **kw)
         pinned = getattr(args, "ckpt_step", None)
-        r.before_load(args)
+        r.before_load(args)  # also refuses settings it cannot record, before any training
         try:
             result = original_load(model, optimizer, opt_param_scheduler, *a, **kw)
         finally:
@@ -615,8 +755,8 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     def train_step(*a: Any, **kw: Any):
         result = original_step(*a, **kw)
         r = rec()
-        if r is not None and isinstance(result, tuple) and len(result) > 1:
-            r.count_iteration(skipped=bool(result[1]))
+        if r is not None:
+            count_train_step(r, result)
         return result
 
     def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
@@ -624,21 +764,24 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
                                    train_data_iterator):
         r = rec()
         requests = r.poll_control() if r is not None and get_args().save else []
-        if requests:
-            try:
+        # Megatron's own decision first (interval, exit signal, duration): a save
+        # it makes at this iteration answers the request too, no second save.
+        try:
+            exit_now = original_decide(model, optimizer, opt_param_scheduler, iteration,
+                                       num_floating_point_operations_so_far, checkpointing_context,
+                                       train_data_iterator)
+            if requests and r.last_committed != iteration:
                 training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
                                                   num_floating_point_operations_so_far,
                                                   checkpointing_context,
                                                   train_data_iterator=train_data_iterator)
-            except Exception as e:
+        except Exception as e:
+            if requests:
                 r.answer(requests, step=None, error=str(e))
-                raise
+            raise
+        if requests:
             r.answer(requests, step=iteration)
-            if any(q.stop for q in requests):
-                return True
-        return original_decide(model, optimizer, opt_param_scheduler, iteration,
-                               num_floating_point_operations_so_far, checkpointing_context,
-                               train_data_iterator)
+        return exit_now or any(q.stop for q in requests)
 
     for module in (checkpointing, training):
         if hasattr(module, "save_checkpoint"):
@@ -654,6 +797,17 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
 
 
 _INSTALLED: list[Any] = []
+
+
+def count_train_step(recorder: MegatronRecorder, result: Any) -> None:
+    """Count what megatron.training's ``train_step`` returned: ``(losses, skipped_iter,
+    should_checkpoint, should_exit, ...)``. An early return that asks to checkpoint and
+    exit (a rerun from a checkpoint) is not an iteration: train() does not advance for it."""
+    if not isinstance(result, tuple) or len(result) < 2:
+        return
+    if len(result) > 3 and result[3]:
+        return
+    recorder.count_iteration(skipped=bool(result[1]))
 
 
 class _Lazy:

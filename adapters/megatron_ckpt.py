@@ -225,10 +225,12 @@ class CommonState:
         if self.scheduler is None:
             raise ManifestError(f"{self.source}: opt_param_scheduler: expected the scheduler's state, "
                                 "actual missing")
+        wsd = self.args.get("lr_wsd_decay_samples")
+        if wsd is None and self.args.get("lr_wsd_decay_iters") is not None:
+            wsd = self.args["lr_wsd_decay_iters"] * self.args.get("global_batch_size", 1)
         return MegatronSchedule.from_state_dict(
             self.scheduler, init_lr=self.args.get("lr_warmup_init") or 0.0, source=self.source,
-            wsd_decay_steps=self.args.get("lr_wsd_decay_samples"),
-            lr_wsd_decay_style=self.args.get("lr_wsd_decay_style"))
+            wsd_decay_steps=wsd, lr_wsd_decay_style=self.args.get("lr_wsd_decay_style"))
 
     @property
     def scheduler_position(self) -> int:

@@ -291,8 +291,8 @@ class Supervisor:
         proc.send_signal(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig])
         deadline = self.clock() + save_wait
         while True:
-            latest = self._latest_committed()
-            if latest is not None and (before is None or latest > before):
+            latest = self._newer_committed(before)
+            if latest is not None:
                 self.event("saved", step=latest, reason=f"checkpoint committed after {sig} to the step")
                 return True
             if proc.poll() is not None:
@@ -420,6 +420,15 @@ class Supervisor:
         body = {"bad_nodes": self.state.bad_nodes, "failures": self.state.failures[-20:],
                 "launches": self.state.launches, "job": self.job.job_id}
         self.rundir.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
+
+    def _newer_committed(self, before: int | None) -> int | None:
+        """The newest committed checkpoint after ``before``; only newer directories are checked."""
+        for step in reversed(self.rundir.step_dirs()):
+            if before is not None and step <= before:
+                return None
+            if self.rundir.is_committed(step):
+                return step
+        return None
 
     def _latest_committed(self) -> int | None:
         if self.cfg.exit_signal is None:

@@ -116,6 +116,7 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
     finally:
         if show:
             click.echo("", err=True)
+    run = Run.open(run_url)  # the layout again: a Megatron save directory may have been empty
     manifest = run.read_manifest(step)
     if as_json:
         _emit_json({"ok": True, "step": step, "train_state": manifest.train_state.to_dict()})

@@ -136,3 +136,28 @@ def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path, monkeypatch
     assert isinstance(common[0]["args"]["hook"], Opaque)
     state = common_state_from_dict(common, source="planted")
     assert state.counters().to_dict()["updates_skipped"] == 1  # 5 iterations, 32 / 8 = 4 successful
+
+
+def test_settings_resume_cannot_record_are_refused_up_front():
+    import argparse
+
+    from resume.adapters.megatron import check_supported
+
+    from resume.errors import UsageError
+
+    check_supported(argparse.Namespace(async_save=False, rampup_batch_size=None))
+    for name, value, flag in (("async_save", True, "--async-save"),
+                              ("rampup_batch_size", [16, 16, 1000], "--rampup-batch-size"),
+                              ("save_retain_interval", 1000, "--save-retain-interval")):
+        with pytest.raises(UsageError, match=flag):
+            check_supported(argparse.Namespace(**{name: value}))
+
+
+def test_train_step_results_are_counted_except_a_checkpoint_and_exit_return(tmp_path):
+    from resume.adapters.megatron import MegatronRecorder, count_train_step
+
+    recorder = MegatronRecorder(str(tmp_path / "save"))
+    count_train_step(recorder, ({}, 0, False, False, 0, 1.0, 0, None))   # applied
+    count_train_step(recorder, ({}, 1, False, False, 0, None, 0, None))  # skipped update
+    count_train_step(recorder, ({}, True, True, True, 16, None, None, None))  # rerun: save and exit
+    assert recorder._skipped_since == 1

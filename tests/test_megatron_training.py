@@ -171,3 +171,17 @@ def test_resume_save_request_and_exit_signal_both_commit_a_manifest(tmp_path):
     assert out["exit_after_request"] is False
     assert out["exit_after_signal"] is True
     assert out["committed"] == [2, 3]
+
+
+def test_a_file_the_manifest_does_not_list_is_refused_before_megatron_reads_it(trained, tmp_path):
+    """Megatron would load a planted common.pt; the manifest lists every file that belongs."""
+    import shutil
+
+    save_dir, _ = trained
+    copy = str(tmp_path / "save")
+    shutil.copytree(save_dir, copy)
+    with open(os.path.join(copy, "iter_0000006", "common.pt"), "wb") as f:
+        f.write(b"planted")
+    out = run_ranks(_resume, 1, copy, [])[0]
+    assert out["error"]["type"] == "UnsafeCheckpointError", out
+    assert "common.pt" in out["error"]["message"]
