@@ -40,9 +40,8 @@ from resume.comm import Comm, LocalComm
 from resume.storage import Storage
 
 from . import jsonstate
+from .dcp_io import make_reader, make_writer, without_torch_crc32
 from .dcp_safe import (
-    SafeFileSystemReader,
-    SafeFsspecReader,
     SafeLoadPlanner,
     restricted_load_metadata,
 )
@@ -284,16 +283,13 @@ class NativeTorchAdapter(Adapter):
         # An optimizer without state (no update applied yet) is left out: making
         # its state up for the save would change the training that follows.
         state = self._sharded_state([o for o in self.optimizers if o.state])
-        local = storage.local_path(step_dir)
-        if local is not None:
-            writer = dcp.FileSystemWriter(local, sync_files=True)
-        else:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-            writer = FsspecWriter(storage.url(step_dir), sync_files=False)
-        with _quiet_single_process():
+        writer = make_writer(storage, step_dir, durable=True)
+        with _quiet_single_process(), without_torch_crc32():
             metadata = dcp.save(state, storage_writer=writer, process_group=self.process_group,
                                 no_dist=not dist.is_initialized())
-        return self._files_of_this_rank(metadata)
+        # Checksummed while written: no second read of the shards.
+        return {rel: writer.fs.written.get(rel, None)
+                for rel in self._files_of_this_rank(metadata)}
 
     def _files_of_this_rank(self, metadata: Any) -> list[str]:
         # DCP names data files "__<rank>_<n>.distcp"; rank 0 also owns ".metadata"
@@ -325,9 +321,7 @@ class NativeTorchAdapter(Adapter):
         state = self._sharded_state(saved_optimizers)
         for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
             del state["optim"]["state"][fqn]
-        local = storage.local_path(step_dir)
-        reader = (SafeFileSystemReader(local) if local is not None
-                  else SafeFsspecReader(storage.url(step_dir)))
+        reader = make_reader(storage, step_dir)
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.process_group, no_dist=not dist.is_initialized())

@@ -92,8 +92,10 @@ class Adapter(ABC):
     def load_state_dict(self, state: dict) -> None: ...
 
     @abstractmethod
-    def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
-        """Collective. Write the sharded state; return paths (relative to step_dir) this rank wrote."""
+    def save_shards(self, storage: Storage, step_dir: str) -> list[str] | dict[str, tuple[int, str] | None]:
+        """Collective. Write the sharded state; return the paths (relative to step_dir) this rank
+        wrote, or a mapping path -> (size, checksum) for those checksummed while written (None:
+        read it back)."""
 
     @abstractmethod
     def load_shards(self, storage: Storage, step_dir: str) -> None:

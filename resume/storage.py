@@ -44,6 +44,8 @@ class Storage(Protocol):
     def makedirs(self, path: str) -> None: ...
     def delete(self, path: str) -> None: ...
     def rename(self, src: str, dst: str) -> None: ...
+    def put_file(self, local: str, path: str) -> None: ...
+    def get_file(self, path: str, local: str) -> None: ...
     def local_path(self, path: str) -> str | None: ...
 
 
@@ -111,6 +113,14 @@ class LocalStorage:
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.url(src), self.url(dst))
+
+    def put_file(self, local: str, path: str) -> None:
+        target = self.url(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(local, target)
+
+    def get_file(self, path: str, local: str) -> None:
+        shutil.copyfile(self.url(path), local)
 
 
 def fsync_dir(directory: str) -> None:
@@ -185,7 +195,15 @@ class FsspecStorage:
 
     def listdir(self, path: str) -> list[str]:
         self.fs.invalidate_cache(self.url(path))
-        entries = self._call(self.fs.ls, self.url(path), detail=False)
+        try:
+            entries = self._call(self.fs.ls, self.url(path), detail=False)
+        except FileNotFoundError:
+            # Object stores have no empty directories: a prefix with nothing under
+            # it is an empty listing, unless the bucket itself is missing.
+            bucket = self.root.split("://", 1)[-1].split("/", 1)[0]
+            if "://" in self.root and not self._call(self.fs.exists, bucket):
+                raise
+            return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     def size(self, path: str) -> int:
@@ -211,6 +229,14 @@ class FsspecStorage:
 
     def rename(self, src: str, dst: str) -> None:
         self._call(self.fs.mv, self.url(src), self.url(dst), recursive=True)
+
+    def put_file(self, local: str, path: str) -> None:
+        """Upload a local file in one request (multipart for large ones), retried as a whole."""
+        self._call(self.fs.put_file, local, self.url(path))
+
+    def get_file(self, path: str, local: str) -> None:
+        """Download a whole file to ``local``, retried as a whole."""
+        self._call(self.fs.get_file, self.url(path), local)
 
 
 def open_storage(url: str) -> LocalStorage | FsspecStorage:
