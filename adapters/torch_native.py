@@ -77,12 +77,30 @@ class TorchDistComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def fork(self) -> TorchDistComm:
+        # gloo whatever training uses: the background save moves CPU objects only.
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        return TorchDistComm(dist.new_group(ranks=ranks, backend="gloo"))
+
     def max_flags(self, flags: list[int]) -> list[int]:
         # On the device NCCL needs; gloo and others take CPU tensors.
         device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
         t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
+
+
+def _copy_tree(obj: Any) -> Any:
+    """Tensors copied (to CPU), containers rebuilt, everything else shared (immutable scalars)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy_tree(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def allreduce_each_gradient(state, bucket):
@@ -304,6 +322,21 @@ class NativeTorchAdapter(Adapter):
         if rank == 0:
             mine.add(".metadata")
         return sorted(mine)
+
+    def can_stage(self) -> bool:
+        return True
+
+    def stage_shards(self) -> Any:
+        """A private copy of the sharded state (model and optimizer tensors), for a background write."""
+        state = self._sharded_state([o for o in self.optimizers if o.state])
+        return _copy_tree(state)
+
+    def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Any) -> dict:
+        writer = make_writer(storage, step_dir, durable=True)
+        with _quiet_single_process(), without_torch_crc32():
+            metadata = dcp.save(staged, storage_writer=writer, process_group=getattr(comm, "group", None),
+                                no_dist=not dist.is_initialized())
+        return {rel: writer.fs.written.get(rel) for rel in self._files_of_this_rank(metadata)}
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         # Refuse a hostile .metadata here, with our error, before DCP sees it

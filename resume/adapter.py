@@ -19,6 +19,9 @@ On save (at an iteration boundary, all ranks agreed):
   4. all  ``state_dict()``                 this rank's small state, written as JSON by the coordinator
   5. all  ``save_shards(step_dir)``        collective; returns the files this rank wrote
   Rank 0 then gathers the file lists and commits the manifest.
+  Asynchronous save instead of 5: all ``stage_shards()`` (a memory copy, the loop
+  waits for it), then in a background thread all ``write_staged(staged, ...)``
+  over a forked Comm; the commit follows when every rank's write finished.
 
 Every iteration:
   all ``optimizer_steps()`` and ``scheduler_positions()`` (cheap), to catch an
@@ -96,6 +99,18 @@ class Adapter(ABC):
         """Collective. Write the sharded state; return the paths (relative to step_dir) this rank
         wrote, or a mapping path -> (size, checksum) for those checksummed while written (None:
         read it back)."""
+
+    def can_stage(self) -> bool:
+        """Whether ``stage_shards``/``write_staged`` are implemented (asynchronous save)."""
+        return False
+
+    def stage_shards(self) -> Any:
+        """A private copy of the sharded state (a memory copy); the loop may change the live one."""
+        raise NotImplementedError
+
+    def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Comm) -> Any:
+        """Collective over ``comm`` (a background thread): write ``staged``; like ``save_shards``."""
+        raise NotImplementedError
 
     @abstractmethod
     def load_shards(self, storage: Storage, step_dir: str) -> None:

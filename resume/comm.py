@@ -22,6 +22,10 @@ class Comm(Protocol):
     def max_flags(self, flags: list[int]) -> list[int]:
         """Element-wise maximum of small integer flags over all ranks (one small all-reduce)."""
         ...
+    def fork(self) -> Comm:
+        """Collective: a Comm over the same ranks on a group of its own, for a background
+        thread (an asynchronous save) whose collectives must not interleave with training's."""
+        ...
 
 
 class LocalComm:
@@ -39,3 +43,6 @@ class LocalComm:
 
     def max_flags(self, flags: list[int]) -> list[int]:
         return [int(f) for f in flags]
+
+    def fork(self) -> LocalComm:
+        return self

@@ -29,6 +29,7 @@ from typing import Any
 from . import errors as _errors
 from .adapter import Adapter
 from .checksum import checksum_bytes, checksum_file
+from .comm import Comm
 from .continuity import Expectation, compare, compare_config, merge_batch_descriptions
 from .control import SaveRequest, answer_request, pending_requests
 from .errors import (
@@ -54,6 +55,13 @@ _END = object()
 
 def rank_state_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
+
+
+@dataclass
+class _InFlight:
+    step: int
+    thread: threading.Thread
+    error: BaseException | None = None
 
 
 @dataclass
@@ -84,6 +92,7 @@ class Coordinator:
         verify_on_restore: bool = True,
         handle_signals: bool = True,
         control_poll_s: float = 1.0,
+        async_save: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """
@@ -102,6 +111,12 @@ class Coordinator:
             verify_on_restore: check every file's checksum before loading it.
             handle_signals: SIGUSR1/SIGTERM request save-and-stop at the next boundary.
             control_poll_s: how often rank 0 looks for save requests under ``control/``.
+            async_save: scheduled saves block the loop only while the state is copied
+                (staged); the shards are written and committed in the background, at most
+                one save in flight. The next save, a requested save and ``close()`` wait
+                for it and raise its error. Needs an adapter that can stage
+                (``Adapter.stage_shards``); saves asked for by a request or a signal are
+                synchronous (the asker waits for the commit anyway).
             clock: injectable monotonic clock.
         """
         if not isinstance(global_batch, int) or global_batch < 1:
@@ -140,6 +155,10 @@ class Coordinator:
         self._last_poll = float("-inf")
         self._first_after_restore: Expectation | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self.async_save = async_save and adapter.can_stage()
+        self._in_flight: _InFlight | None = None
+        # Background collectives run on their own group, never interleaved with training's.
+        self._save_comm: Comm | None = self.comm.fork() if self.async_save else None
 
         # Rank 0 creates the run; the others never list or probe storage
         # (5,120 ranks must not hammer an object store).
@@ -198,8 +217,13 @@ class Coordinator:
             self._first_after_restore = None
         return self._maybe_save_at_boundary()
 
-    def save(self) -> int:
-        """Collective: save the state at the current iteration and commit it. Returns the step."""
+    def save(self, *, blocking: bool = True) -> int:
+        """Collective: save the state at the current iteration and commit it. Returns the step.
+
+        With ``async_save`` and ``blocking=False`` it returns once the state is staged;
+        the write and the commit finish in the background (``maybe_wait_for_save``).
+        """
+        self.maybe_wait_for_save()
         step = self.state.iteration
         if self.last_committed_step == step:
             return step
@@ -216,6 +240,19 @@ class Coordinator:
         staged = self._guarded(lambda: self._stage_rank_part(step_dir))
         gathered = self._agree(self.comm.all_gather_object(staged), step_dir, saving=True)
         expectation = self._assemble_expectation([g["part"] for g in gathered])
+        if self.async_save and not blocking:
+            # Phase 2a, local: a memory copy of the shards; the loop goes on after it.
+            shards = self._guarded(lambda: {"staged": self.adapter.stage_shards()})
+            self._agree(self.comm.all_gather_object({k: v for k, v in shards.items() if k != "staged"}),
+                        step_dir, saving=True)
+            stall = self.clock() - started
+            self._in_flight = _InFlight(step, threading.Thread(
+                target=self._write_in_background, name=f"resume-save-{step}",
+                args=(step, step_dir, shards["staged"], staged["files"], expectation, started, stall,
+                      TrainState.from_dict(self.state.to_dict())),
+                daemon=True))
+            self._in_flight.thread.start()
+            return step
         # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
         report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
         reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
@@ -224,10 +261,52 @@ class Coordinator:
         self.last_committed_step = step
         return step
 
+    def maybe_wait_for_save(self) -> None:
+        """Wait for the save in flight, if any; raise its error (on every rank)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        in_flight.thread.join()
+        if in_flight.error is not None:
+            raise in_flight.error
+        self.last_committed_step = in_flight.step
+
+    def _write_in_background(self, step: int, step_dir: str, staged: Any, files: dict,
+                             expectation: Expectation, started: float, stall: float,
+                             state: TrainState) -> None:
+        """Phases 2 and 3 of an asynchronous save, on the save group; errors kept for the wait."""
+        in_flight = self._in_flight
+        comm = self._save_comm
+        assert in_flight is not None and comm is not None
+        try:
+            def write() -> dict:
+                written = self.adapter.write_staged(staged, self.run.storage, step_dir, comm)
+                return {"files": {**files, **self._file_records(step_dir, written)}}
+            report = self._guarded(write)
+            reports = self._agree(comm.all_gather_object(report), step_dir, saving=True)
+            outcome: Any = None
+            if comm.rank == 0:
+                try:
+                    self._commit(step, reports, expectation, self.clock() - started, stall_s=stall,
+                                 state=state)
+                    outcome = ("ok",)
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                    outcome = ("error", f"{type(e).__name__}: {e}")
+            outcome = comm.broadcast_object(outcome, src=0)
+            if outcome[0] != "ok":
+                raise SaveFailedError(f"{self.run.storage.url(step_dir)}: commit failed: {outcome[1]}")
+        except BaseException as e:  # noqa: BLE001 - raised by the next wait, on this rank
+            in_flight.error = e if isinstance(e, Exception) else SaveFailedError(
+                f"{self.run.storage.url(step_dir)}: background write interrupted: {e!r}")
+
     def close(self) -> None:
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
+        """Wait for a save in flight (raising its error) and restore the signal handlers."""
+        try:
+            self.maybe_wait_for_save()
+        finally:
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+            self._previous_handlers.clear()
 
     # -- restore -------------------------------------------------------------------------
 
@@ -448,8 +527,10 @@ class Coordinator:
         self._save_requested = False
         if not save:
             return False
+        # Only a scheduled save runs in the background: an asker waits for the commit.
+        scheduled_only = due and not (stop or requests or wants_save)
         try:
-            step = self.save()
+            step = self.save(blocking=not scheduled_only)
         except ResumeError as e:
             self._answer(requests, step=None, error=str(e))
             raise
@@ -491,13 +572,16 @@ class Coordinator:
 
     def _write_shards(self, step_dir: str, files: dict) -> dict:
         """Phase 2 (collective): the adapter's shards, and this rank's file records."""
-        files = dict(files)
         written = self.adapter.save_shards(self.run.storage, step_dir)
+        return {"files": {**files, **self._file_records(step_dir, written)}}
+
+    def _file_records(self, step_dir: str, written: Any) -> dict:
+        """(size, checksum) per file: as the adapter took them while writing, else read back."""
+        out = {}
         for rel in written:
             known = written.get(rel) if isinstance(written, dict) else None
-            # Checksums the adapter took while writing; a file without one is read back.
-            files[rel] = tuple(known) if known else checksum_file(self.run.storage, join(step_dir, rel))
-        return {"files": files}
+            out[rel] = tuple(known) if known else checksum_file(self.run.storage, join(step_dir, rel))
+        return out
 
     def _guarded(self, fn: Callable[[], dict]) -> dict:
         """Run a local phase; an error becomes a report every rank will see."""
@@ -526,15 +610,20 @@ class Coordinator:
                                             f"ranks: {detail}")
 
     def _commit(self, step: int, reports: list[dict], expectation: Expectation,
-                elapsed_s: float) -> None:
+                elapsed_s: float, *, stall_s: float | None = None, state: TrainState | None = None) -> None:
         files: dict[str, FileEntry] = {}
         for report in reports:
             for rel, (size, checksum) in report["files"].items():
                 files[rel] = FileEntry(size, checksum)
-        manifest = Manifest(step=step, train_state=TrainState.from_dict(self.state.to_dict()),
+        # An asynchronous save commits while the loop has moved on: the counters
+        # are those of the staged state, snapshotted at the save.
+        state = state or TrainState.from_dict(self.state.to_dict())
+        manifest = Manifest(step=step, train_state=state,
                             files=files, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.config,
-                            timing={"save_s": round(elapsed_s, 3)}, adapter=self.adapter.name)
+                            timing={"save_s": round(elapsed_s, 3),
+                                    **({"stall_s": round(stall_s, 3)} if stall_s is not None else {})},
+                            adapter=self.adapter.name)
         self.run.write_manifest(manifest)
         log.info("resume: committed %s (%d files, %d bytes)", step_dirname(step), len(files),
                  manifest.total_bytes)

@@ -33,6 +33,7 @@ class Setup:
     drop_optimizer_state: bool = False
     every: int = 3
     declare_seed: bool = True
+    async_save: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -75,7 +76,8 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     config = {"seed": setup.seed} if setup.declare_seed else {}
     config.update(setup.extra)
     coord = Coordinator(run, adapter, global_batch=setup.global_batch, every=setup.every,
-                        seq_len=CFG.seq_len, config=config, handle_signals=False)
+                        seq_len=CFG.seq_len, config=config, handle_signals=False,
+                        async_save=setup.async_save)
     return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
 
 
