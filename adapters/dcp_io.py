@@ -65,9 +65,9 @@ def writeback_supported() -> bool:
 class _HashingSink(io.RawIOBase):
     """The raw end of the stream DCP writes to: hashes, writes, starts writeback."""
 
-    def __init__(self, raw: Any, *, writeback: bool) -> None:
+    def __init__(self, raw: Any, *, writeback: bool, hashing: bool = True) -> None:
         self.raw = raw
-        self.hash = xxhash.xxh3_64()
+        self.hash = xxhash.xxh3_64() if hashing else None
         self.size = 0
         self._flushed_to = 0
         self._writeback = writeback and _sync_file_range is not None and hasattr(raw, "fileno")
@@ -77,7 +77,8 @@ class _HashingSink(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
-        self.hash.update(view)
+        if self.hash is not None:
+            self.hash.update(view)
         written = 0
         while written < len(view):  # a raw write may be partial
             n = self.raw.write(view[written:])
@@ -102,8 +103,8 @@ class _HashingSink(io.RawIOBase):
         pass
 
     @property
-    def checksum(self) -> str:
-        return f"{ALGORITHM}:{self.hash.hexdigest()}"
+    def checksum(self) -> str | None:
+        return f"{ALGORITHM}:{self.hash.hexdigest()}" if self.hash is not None else None
 
 
 class ChecksummingFileSystem(_fs.FileSystem):
@@ -111,6 +112,8 @@ class ChecksummingFileSystem(_fs.FileSystem):
 
     def __init__(self, *, durable: bool = True) -> None:
         self.durable = durable
+        self.checksum = True
+        """False only to measure what the checksums cost (benchmarks/storage.py)."""
         self.written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
@@ -122,7 +125,7 @@ class ChecksummingFileSystem(_fs.FileSystem):
             return
         path = Path(path)
         with open(path, "wb", buffering=0) as raw:
-            sink = _HashingSink(raw, writeback=self.durable)
+            sink = _HashingSink(raw, writeback=self.durable, hashing=self.checksum)
             stream = io.BufferedWriter(sink, buffer_size=BUFFER)
             yield stream  # type: ignore[misc]
             with contextlib.suppress(ValueError):  # DCP may have closed it (and so flushed)
@@ -142,6 +145,20 @@ class ChecksummingFileSystem(_fs.FileSystem):
                 self.written[new] = self.written.pop(old)
         if self.durable:
             _fsync_dir(str(Path(new_path).parent))
+
+
+class ReadaheadFileSystem(_fs.FileSystem):
+    """DCP's local FileSystem for loads: the kernel reads the whole file ahead while DCP
+    deserialises the first tensors (DCP itself reads one item after the other)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if "r" in mode:
+                with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
+                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            yield stream
 
 
 class RetryingFsspecFileSystem(_fs.FileSystemBase):
@@ -243,7 +260,9 @@ def make_reader(storage: Any, step_dir: str) -> Any:
 
     local = storage.local_path(step_dir)
     if local is not None:
-        return SafeFileSystemReader(local)
+        reader = SafeFileSystemReader(local)
+        reader.fs = ReadaheadFileSystem()
+        return reader
     reader = SafeFileSystemReader("resume-remote")
     reader.fs = RetryingFsspecFileSystem(storage, step_dir)
     reader.path = reader.fs.init_path("")

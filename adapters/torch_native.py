@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _get_fqns,
@@ -37,6 +38,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from resume.adapter import Adapter
 from resume.comm import Comm, LocalComm
+from resume.errors import SaveFailedError
 from resume.storage import Storage
 
 from . import jsonstate
@@ -88,6 +90,38 @@ class TorchDistComm:
         t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
+
+
+def _state_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _explain_dcp_failure(e: BaseException, state: Any, storage: Storage, step_dir: str) -> str:
+    """One line: what failed where; for a full disk, how many bytes this rank needed and had."""
+    import errno
+    import os
+
+    causes = [c[0] if isinstance(c, tuple) else c for c in (getattr(e, "failures", None) or {}).values()]
+    cause = next((c for c in causes if isinstance(c, BaseException)), None)
+    where = storage.url(step_dir)
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        needed = _state_bytes(state)
+        local = storage.local_path(step_dir)
+        free = ""
+        if local is not None:
+            st = os.statvfs(local)
+            free = f", {st.f_bavail * st.f_frsize} bytes free now"
+        return (f"{where}: disk full: expected room for this rank's shards, about {needed} bytes, actual "
+                f"no space left{free} (the previous checkpoint is untouched; free space or move the run)")
+    detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
+    return f"{where}: writing the shards failed: {detail}"
 
 
 def _copy_tree(obj: Any) -> Any:
@@ -301,13 +335,18 @@ class NativeTorchAdapter(Adapter):
         # An optimizer without state (no update applied yet) is left out: making
         # its state up for the save would change the training that follows.
         state = self._sharded_state([o for o in self.optimizers if o.state])
+        return self._dcp_save(state, storage, step_dir, self.process_group)
+
+    def _dcp_save(self, state: Any, storage: Storage, step_dir: str, group: Any) -> dict:
         writer = make_writer(storage, step_dir, durable=True)
-        with _quiet_single_process(), without_torch_crc32():
-            metadata = dcp.save(state, storage_writer=writer, process_group=self.process_group,
-                                no_dist=not dist.is_initialized())
+        try:
+            with _quiet_single_process(), without_torch_crc32():
+                metadata = dcp.save(state, storage_writer=writer, process_group=group,
+                                    no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # a BaseException: make it ours, with the cause
+            raise SaveFailedError(_explain_dcp_failure(e, state, storage, step_dir)) from e
         # Checksummed while written: no second read of the shards.
-        return {rel: writer.fs.written.get(rel, None)
-                for rel in self._files_of_this_rank(metadata)}
+        return {rel: writer.fs.written.get(rel) for rel in self._files_of_this_rank(metadata)}
 
     def _files_of_this_rank(self, metadata: Any) -> list[str]:
         # DCP names data files "__<rank>_<n>.distcp"; rank 0 also owns ".metadata"
@@ -332,11 +371,7 @@ class NativeTorchAdapter(Adapter):
         return _copy_tree(state)
 
     def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Any) -> dict:
-        writer = make_writer(storage, step_dir, durable=True)
-        with _quiet_single_process(), without_torch_crc32():
-            metadata = dcp.save(staged, storage_writer=writer, process_group=getattr(comm, "group", None),
-                                no_dist=not dist.is_initialized())
-        return {rel: writer.fs.written.get(rel) for rel in self._files_of_this_rank(metadata)}
+        return self._dcp_save(staged, storage, step_dir, getattr(comm, "group", None))
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         # Refuse a hostile .metadata here, with our error, before DCP sees it

@@ -104,6 +104,12 @@ class StorageError(ResumeError, OSError):
     exit_code = EXIT_PROBLEM
 
 
+class StorageAccessError(ResumeError, PermissionError):
+    """Storage refuses us: no credentials, wrong credentials, access denied (not transient)."""
+
+    exit_code = EXIT_NOTHING
+
+
 class UnsafeCheckpointError(ResumeError, RuntimeError):
     """A checkpoint file tried to make the loader run code (a forbidden pickle global)."""
 

@@ -17,7 +17,7 @@ from typing import IO, Protocol
 
 import tenacity
 
-from .errors import StorageError, UsageError
+from .errors import StorageAccessError, StorageError, UsageError
 
 __all__ = ["FsspecStorage", "LocalStorage", "Storage", "join", "open_storage"]
 
@@ -140,9 +140,18 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
               FileExistsError)
 
 
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                      "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken")
+
+
+def is_credential_error(exc: BaseException) -> bool:
+    return type(exc).__name__ in _CREDENTIAL_ERRORS or any(
+        name in str(exc) for name in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "signature we calculated"))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: I/O and connection trouble, not "missing" or "denied"."""
-    if isinstance(exc, _PERMANENT):
+    if isinstance(exc, _PERMANENT) or is_credential_error(exc):
         return False
     return isinstance(exc, (OSError, ConnectionError, TimeoutError))
 
@@ -175,9 +184,16 @@ class FsspecStorage:
     def _call(self, fn, *args, **kwargs):
         try:
             return self._retrying(fn, *args, **kwargs)
+        except PermissionError as e:
+            raise StorageAccessError(f"{self.root}: access: expected permission to {_verb(fn)}, actual "
+                                     f"denied ({e})") from e
         except _PERMANENT:
             raise
         except Exception as e:
+            if is_credential_error(e):
+                raise StorageAccessError(
+                    f"{self.root}: credentials: expected valid ones (environment, e.g. AWS_ACCESS_KEY_ID / "
+                    f"AWS_SECRET_ACCESS_KEY, or fsspec's configuration), actual {type(e).__name__}: {e}") from e
             raise StorageError(f"{self.root}: storage operation {fn.__name__} failed after "
                                f"retries: {type(e).__name__}: {e}") from e
 
@@ -239,12 +255,23 @@ class FsspecStorage:
         self._call(self.fs.get_file, self.url(path), local)
 
 
+def _verb(fn: Callable) -> str:
+    return getattr(fn, "__name__", "access").lstrip("_")
+
+
 def open_storage(url: str) -> LocalStorage | FsspecStorage:
     """The storage for a run URL: POSIX fast path for local paths, fsspec otherwise."""
     if "://" not in url or url.startswith("file://"):
         return LocalStorage(url)
+    protocol = url.split("://", 1)[0]
     try:
         return FsspecStorage(url)
-    except (ValueError, ImportError) as e:
-        raise UsageError(f"{url}: run URL: expected a local path or an fsspec URL whose protocol "
-                         f"is installed, actual {e}") from e
+    except ImportError as e:
+        from fsspec.registry import known_implementations
+
+        package = known_implementations.get(protocol, {}).get("class", "").split(".")[0] or "?"
+        raise UsageError(f"{url}: run URL: protocol {protocol!r} expected its fsspec package installed, "
+                         f"actual missing (pip install {package})") from e
+    except ValueError as e:
+        raise UsageError(f"{url}: run URL: expected a local path or a URL whose protocol fsspec knows "
+                         f"(s3, gs, az, ...), actual {protocol!r} ({e})") from e

@@ -261,3 +261,43 @@ def test_async_save_stages_then_commits_in_the_background_and_close_waits(run_di
     coord2.restore()
     assert coord2.restored_from == 3
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in saved_weights.items())
+
+
+def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_much(run_dir, monkeypatch):
+    import errno
+
+    import torch
+    from resume.adapters import dcp_io
+    from resume.adapters.torch_native import NativeTorchAdapter
+
+    from resume.errors import SaveFailedError
+    from resume.run import Run
+
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [{"ids": torch.tensor([i])} for i in range(10)]
+    coord = Coordinator(run_dir, NativeTorchAdapter(model, opt, None, data), global_batch=1, every=0,
+                        handle_signals=False)
+    coord.restore()
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    coord.update()
+    assert coord.save() == 1
+    coord.update(applied=False)
+    write = dcp_io._HashingSink.write
+    budget = {"left": 100_000}
+
+    def fills_up(self, b):
+        budget["left"] -= len(b)
+        if budget["left"] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, b)
+    monkeypatch.setattr(dcp_io._HashingSink, "write", fills_up)
+    with pytest.raises(SaveFailedError, match=r"disk full: expected room for this rank's shards, about \d+ bytes"):
+        coord.save()
+    monkeypatch.undo()
+    run = Run.open(run_dir)
+    assert run.committed_steps() == [1]
+    assert run.check(2).status == "uncommitted"
+    manifest, rejected = run.find_latest(deep=True)
+    assert manifest.step == 1 and [r.step for r in rejected] == [2]

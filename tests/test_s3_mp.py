@@ -78,3 +78,25 @@ def test_missing_bucket_is_one_line_exit_3(s3):
                           env={**os.environ})
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "no-such-bucket" in proc.stderr
+
+
+def test_wrong_or_missing_credentials_are_one_line_exit_3_without_retrying(s3, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    started = __import__("time").monotonic()
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "ls", RUN], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and RUN in proc.stderr and "access" in proc.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "save", RUN, "--timeout", "5"],
+                          capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "credentials: expected valid ones" in proc.stderr and proc.stderr.count("\n") == 1
+    assert __import__("time").monotonic() - started < 60  # permanent: not retried with back-off
+
+
+def test_unknown_url_scheme_names_the_package_to_install(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "ls", "gs://bucket/run"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "pip install gcsfs" in proc.stderr, proc.stderr
