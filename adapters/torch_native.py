@@ -38,7 +38,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from resume.adapter import Adapter
 from resume.comm import Comm, LocalComm
-from resume.errors import SaveFailedError
+from resume.errors import SaveFailedError, UsageError
 from resume.storage import Storage
 
 from . import jsonstate
@@ -172,7 +172,14 @@ class NativeTorchAdapter(Adapter):
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable,
                  schedulers: Any = (), data: Any = None, *, comm: Comm | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, compression: str | None = None) -> None:
+        """``compression``: ``"zstd"`` compresses every shard item (a per-run choice; off by
+        default: on a local disk here it costs more time than the bytes it saves)."""
+        from .dcp_io import COMPRESSIONS
+
+        if compression not in COMPRESSIONS:
+            raise UsageError(f"compression: expected one of {COMPRESSIONS}, actual {compression!r}")
+        self.compression = compression
         self.model = model
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         self.schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else (
@@ -338,7 +345,7 @@ class NativeTorchAdapter(Adapter):
         return self._dcp_save(state, storage, step_dir, self.process_group)
 
     def _dcp_save(self, state: Any, storage: Storage, step_dir: str, group: Any) -> dict:
-        writer = make_writer(storage, step_dir, durable=True)
+        writer = make_writer(storage, step_dir, durable=True, compression=self.compression)
         try:
             with _quiet_single_process(), without_torch_crc32():
                 metadata = dcp.save(state, storage_writer=writer, process_group=group,

@@ -12,6 +12,7 @@ parameter), in 64 tensors. Each run measures, in this order:
 - ``durable``: ours (adapters/dcp_io: checksums while writing, early writeback, fdatasync,
   directory fsync), as the native adapter saves;
 - ``durable_nosum``: the same without the checksums (for the checksum overhead);
+- ``durable_zstd``: ours with zstandard on every item (and the bytes it wrote);
 - ``stall``: what an asynchronous save blocks the loop for (the staging copy);
 - ``hash``: xxh3 over the same bytes in memory (what checksumming adds to the writer);
 - ``cold_load`` / ``warm_load``: our safe reader into preallocated tensors, pages dropped / cached;
@@ -159,6 +160,18 @@ def run_once(state: dict[str, torch.Tensor], size: int, root: str, *, index: int
         settle(pause)
     shutil.rmtree(os.path.join(root, "durable_nosum"))
 
+    fresh("zstd")
+
+    def compressed() -> None:
+        writer = dcp_io.make_writer(storage, "zstd", durable=True, compression="zstd")
+        with quiet(), dcp_io.without_torch_crc32():
+            dcp.save(state, storage_writer=writer, no_dist=True)
+    t["durable_zstd"] = timed(compressed)
+    zdir = os.path.join(root, "zstd")
+    t["zstd_bytes"] = sum(os.path.getsize(os.path.join(zdir, f)) for f in os.listdir(zdir))
+    shutil.rmtree(zdir)
+    settle(pause)
+
     t["stall"] = timed(lambda: _copy_tree(state))
     # What checksumming adds to a save: the xxh3 pass over the same bytes, inline in the writer.
     hasher = xxhash.xxh3_64()
@@ -207,6 +220,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    zstd_bytes = med.pop("zstd_bytes")
     mib_s = {k: size / v / (1 << 20) for k, v in med.items()}
     ratios = {
         "durable_save_vs_dd": med["dd"] / med["durable"],
@@ -220,6 +234,8 @@ def main() -> None:
         # A/B of two durable saves is printed too; on a shared virtual disk its noise exceeds 5%.
         "checksum_overhead": med["hash"] / med["durable"],
         "checksum_ab": med["durable"] / med["durable_nosum"] - 1.0,
+        "zstd_save_vs_durable": med["durable"] / med["durable_zstd"],
+        "zstd_size_vs_raw": zstd_bytes / size,
     }
     print(f"state {size / (1 << 30):.2f} GiB, {len(runs)} runs, medians; writeback "
           f"{'sync_file_range' if dcp_io.writeback_supported() else 'at close'}")

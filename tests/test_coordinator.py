@@ -301,3 +301,35 @@ def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_m
     assert run.check(2).status == "uncommitted"
     manifest, rejected = run.find_latest(deep=True)
     assert manifest.step == 1 and [r.step for r in rejected] == [2]
+
+
+def test_zstd_compressed_shards_restore_bitwise(run_dir):
+    import torch
+    from resume.adapters.torch_native import NativeTorchAdapter
+
+    from resume.errors import UsageError
+
+    def build(compression):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 128)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = [{"ids": torch.tensor([i])} for i in range(10)]
+        return model, opt, Coordinator(run_dir, NativeTorchAdapter(model, opt, None, data, compression=compression),
+                                       global_batch=1, every=0, handle_signals=False)
+
+    model, opt, coord = build("zstd")
+    coord.restore()
+    model(torch.randn(2, 128)).sum().backward()
+    opt.step()
+    coord.update()
+    coord.save()
+    import os
+
+    step = os.path.join(run_dir, "step-000000001")
+    assert os.path.getsize(os.path.join(step, "__0_0.distcp")) < 128 * 129 * 4 * 3  # compressed
+    model2, opt2, coord2 = build(None)  # any reader decompresses: it is recorded in the metadata
+    coord2.restore()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(UsageError, match="compression"):
+        NativeTorchAdapter(model, opt, None, [], compression="lz4")
