@@ -154,11 +154,35 @@ class ReadaheadFileSystem(_fs.FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         with super().create_stream(path, mode) as stream:
-            if "r" in mode:
-                with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
-                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-            yield stream
+            if "r" not in mode:
+                yield stream
+                return
+            # A thread asks the kernel for the file chunk by chunk (fadvise releases the GIL),
+            # staying ahead of DCP, which deserialises and copies what has arrived.
+            stop = threading.Event()
+            fd = stream.fileno()
+            prefetcher = threading.Thread(target=_prefetch, args=(fd, stop), daemon=True)
+            with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                prefetcher.start()
+            try:
+                yield stream
+            finally:
+                stop.set()
+                if prefetcher.is_alive():
+                    prefetcher.join()
+
+
+PREFETCH_CHUNK = 64 << 20
+
+
+def _prefetch(fd: int, stop: threading.Event) -> None:
+    with contextlib.suppress(OSError):
+        size = os.fstat(fd).st_size
+        offset = 0
+        while offset < size and not stop.is_set():
+            os.posix_fadvise(fd, offset, PREFETCH_CHUNK, os.POSIX_FADV_WILLNEED)
+            offset += PREFETCH_CHUNK
 
 
 class RetryingFsspecFileSystem(_fs.FileSystemBase):

@@ -6,7 +6,8 @@ State: bf16 weights plus fp32 AdamW moments after real AdamW steps (10 bytes per
 parameter), in 64 tensors. Each run measures, in this order:
 
 - ``dd``: ``dd conv=fdatasync`` writing the same number of bytes (the disk's write limit);
-- ``read``: a cold ``dd`` read of that file (its pages dropped first: the read limit);
+- ``read``: a cold ``dd`` read of the files of our checkpoint (pages dropped first), before
+  and after the loads, the faster of the two: the read limit for exactly those bytes;
 - ``torch.save``: one file, then fsync;
 - ``dcp``: torch.distributed.checkpoint's FileSystemWriter with ``sync_files=True``;
 - ``durable``: ours (adapters/dcp_io: checksums while writing, early writeback, fdatasync,
@@ -122,9 +123,6 @@ def run_once(state: dict[str, torch.Tensor], size: int, root: str, *, index: int
     t["dd"] = timed(lambda: subprocess.run(
         ["dd", "if=/dev/zero", f"of={d}/file", f"bs={block}", f"count={size // block}", "conv=fdatasync"],
         check=True, capture_output=True))
-    drop_pages(f"{d}/file")
-    t["read"] = timed(lambda: subprocess.run(["dd", f"if={d}/file", "of=/dev/null", f"bs={block}"],
-                                             check=True, capture_output=True))
     shutil.rmtree(d)
     settle(pause)
 
@@ -184,14 +182,25 @@ def run_once(state: dict[str, torch.Tensor], size: int, root: str, *, index: int
         with quiet():
             dcp.load(target, storage_reader=dcp_io.make_reader(storage, "durable"), planner=SafeLoadPlanner(),
                      no_dist=True)
-    drop_pages(os.path.join(root, "durable"))
+    durable_dir = os.path.join(root, "durable")
+
+    def read_files() -> None:  # the read limit, on the very files the load reads
+        for f in sorted(os.listdir(durable_dir)):
+            subprocess.run(["dd", f"if={durable_dir}/{f}", "of=/dev/null", f"bs={block}"], check=True,
+                           capture_output=True)
+    drop_pages(durable_dir)
+    read_before = timed(read_files)
+    drop_pages(durable_dir)
     t["cold_load"] = timed(load)
     assert all(torch.equal(target[k], state[k]) for k in state), "loaded state differs"
     t["warm_load"] = timed(load)
 
-    drop_pages(os.path.join(root, "durable"))
-    files = sorted(os.listdir(os.path.join(root, "durable")))
+    drop_pages(durable_dir)
+    files = sorted(os.listdir(durable_dir))
     t["verify"] = timed(lambda: [checksum_file(storage, f"durable/{f}") for f in files])
+    drop_pages(durable_dir)
+    # A virtual disk's host may cache what was just read: the faster of the two reads is the limit.
+    t["read"] = min(read_before, timed(read_files))
     shutil.rmtree(os.path.join(root, "durable"))
     return t
 
