@@ -132,8 +132,7 @@ class ChecksummingFileSystem(_fs.FileSystem):
                 stream.flush()
             if self.durable:
                 os.fdatasync(raw.fileno())
-        if self.durable:
-            _fsync_dir(str(path.parent))
+        # The directory entry is made durable once, by the commit (Storage.sync_dir), not per file.
         with self._lock:
             self.written[path.name] = (sink.size, sink.checksum)
 
@@ -192,7 +191,9 @@ class RetryingFsspecFileSystem(_fs.FileSystemBase):
     def __init__(self, storage: Any, step_dir: str, *, spool_dir: str | None = None) -> None:
         self.storage = storage
         self.step_dir = step_dir
-        self.spool_dir = spool_dir
+        # Local room for one shard at a time; RESUME_SPOOL_DIR points it at a local disk
+        # where /tmp is memory.
+        self.spool_dir = spool_dir or os.environ.get("RESUME_SPOOL_DIR") or None
         self.written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
@@ -230,7 +231,13 @@ class RetryingFsspecFileSystem(_fs.FileSystemBase):
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         old, new = self._rel(path), self._rel(new_path)
-        self.storage.rename(f"{self.step_dir}/{old}", f"{self.step_dir}/{new}")
+        try:
+            self.storage.rename(f"{self.step_dir}/{old}", f"{self.step_dir}/{new}")
+        except FileNotFoundError:
+            # A retried copy+delete whose first answer was lost: the source is gone
+            # because the move happened. Done, if the destination is there.
+            if not self.storage.exists(f"{self.step_dir}/{new}"):
+                raise
         with self._lock:
             if old in self.written:
                 self.written[new] = self.written.pop(old)
@@ -263,12 +270,14 @@ COMPRESSIONS = (None, "zstd")
 
 
 def make_writer(storage: Any, step_dir: str, *, durable: bool = True, thread_count: int = 1,
-                compression: str | None = None) -> Any:
+                compression: str | None = None, copy_ahead: bool = True) -> Any:
     """A DCP writer into ``step_dir`` of ``storage``; ``writer.fs.written`` after the save.
 
     ``compression="zstd"``: every item through zstandard (DCP's stream extension, recorded
     in the metadata, so any reader decompresses it). Off by default: see the README's
-    storage figures for what it costs and saves here.
+    storage figures for what it costs and saves here. ``copy_ahead=False`` for tensors
+    already on the CPU (a staged copy): DCP's overlapping loader would touch CUDA streams
+    from a background thread.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -281,14 +290,16 @@ def make_writer(storage: Any, step_dir: str, *, durable: bool = True, thread_cou
         raise ValueError(f"compression: expected one of {COMPRESSIONS}, actual {compression!r}")
     local = storage.local_path(step_dir)
     fs: Any
+    ahead = {} if copy_ahead else {"per_thread_copy_ahead": 0}
     if local is not None:
-        writer = FileSystemWriter(local, sync_files=False, thread_count=thread_count, _extensions=extensions)
+        writer = FileSystemWriter(local, sync_files=False, thread_count=thread_count, _extensions=extensions,
+                                  **ahead)
         fs = ChecksummingFileSystem(durable=durable)
         writer.fs = fs
         writer.path = fs.init_path(local)
     else:
         writer = FileSystemWriter("resume-remote", sync_files=False, thread_count=thread_count,
-                                  _extensions=extensions)
+                                  _extensions=extensions, **ahead)
         fs = RetryingFsspecFileSystem(storage, step_dir)
         writer.fs = fs
         writer.path = fs.init_path("")

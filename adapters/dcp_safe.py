@@ -104,21 +104,30 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     def read_data(self, plan, planner):
         from concurrent.futures import ThreadPoolExecutor
 
+        from torch.distributed.checkpoint import DefaultLoadPlanner
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future
 
-        tensor_reqs = [r for r in plan.items if r.type != LoadItemType.BYTE_IO
-                       and not self.storage_data[r.storage_index].transform_descriptors]
-        if self.threads < 2 or len(tensor_reqs) < 2:
+        # Only planners whose tensor hooks are plain look-ups may be called from threads.
+        plain = (type(planner).resolve_tensor is DefaultLoadPlanner.resolve_tensor
+                 and type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor)
+        tensor_reqs, rest = [], []
+        for r in plan.items:
+            simple = r.type != LoadItemType.BYTE_IO and not self.storage_data[r.storage_index].transform_descriptors
+            (tensor_reqs if simple else rest).append(r)
+        if self.threads < 2 or len(tensor_reqs) < 2 or not plain:
             return super().read_data(plan, planner)
-        rest = [r for r in plan.items if r not in tensor_reqs]
         if rest:
             super().read_data(type(plan)(rest, plan.storage_data, plan.planner_data), planner)
         by_file: dict[str, list] = {}
         for r in tensor_reqs:
             by_file.setdefault(self.storage_data[r.storage_index].relative_path, []).append(r)
-        work = [(path, sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)[i::self.threads])
-                for path, reqs in by_file.items() for i in range(self.threads)]
+        work = []
+        for path, reqs in by_file.items():
+            # Contiguous runs of the file per thread: each reads sequentially.
+            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            half = (len(reqs) + self.threads - 1) // self.threads
+            work += [(path, reqs[i:i + half]) for i in range(0, len(reqs), half)]
         with ThreadPoolExecutor(self.threads) as pool:
             for f in [pool.submit(self._read_tensors, path, reqs, planner) for path, reqs in work if reqs]:
                 f.result()

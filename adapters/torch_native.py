@@ -104,24 +104,41 @@ def _state_bytes(obj: Any) -> int:
 
 
 def _explain_dcp_failure(e: BaseException, state: Any, storage: Storage, step_dir: str) -> str:
-    """One line: what failed where; for a full disk, how many bytes this rank needed and had."""
-    import errno
+    """One line: what failed where and on which ranks; for a full disk, the bytes needed and free."""
     import os
 
-    causes = [c[0] if isinstance(c, tuple) else c for c in (getattr(e, "failures", None) or {}).values()]
-    cause = next((c for c in causes if isinstance(c, BaseException)), None)
+    failures = getattr(e, "failures", None) or {}
+    causes = {rank: (c[0] if isinstance(c, tuple) else c) for rank, c in failures.items()}
     where = storage.url(step_dir)
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+    ranks = sorted(causes)
+    cause = causes[ranks[0]] if ranks else None
+    full = {rank for rank, c in causes.items() if _is_out_of_space(c)}
+    if full:
         needed = _state_bytes(state)
         local = storage.local_path(step_dir)
         free = ""
         if local is not None:
             st = os.statvfs(local)
             free = f", {st.f_bavail * st.f_frsize} bytes free now"
-        return (f"{where}: disk full: expected room for this rank's shards, about {needed} bytes, actual "
-                f"no space left{free} (the previous checkpoint is untouched; free space or move the run)")
+        return (f"{where}: disk full (or quota) on ranks {sorted(full)[:8]}: expected room for each rank's "
+                f"shards, about {needed} bytes for this one, actual no space left{free} (the previous "
+                "checkpoint is untouched; the partial step stays uncommitted until it is saved again: "
+                "free space or move the run)")
     detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
-    return f"{where}: writing the shards failed: {detail}"
+    return f"{where}: writing the shards failed on ranks {ranks[:8]}: {detail}"
+
+
+def _is_out_of_space(exc: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in the chain: torch.save's zip writer re-raises it as a RuntimeError."""
+    import errno
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 def _copy_tree(obj: Any) -> Any:
@@ -344,10 +361,15 @@ class NativeTorchAdapter(Adapter):
         state = self._sharded_state([o for o in self.optimizers if o.state])
         return self._dcp_save(state, storage, step_dir, self.process_group)
 
-    def _dcp_save(self, state: Any, storage: Storage, step_dir: str, group: Any) -> dict:
-        writer = make_writer(storage, step_dir, durable=True, compression=self.compression)
+    def _dcp_save(self, state: Any, storage: Storage, step_dir: str, group: Any, *,
+                  background: bool = False) -> dict:
+        writer = make_writer(storage, step_dir, durable=True, compression=self.compression,
+                             copy_ahead=not background)
+        # torch.save's CRC switch is process-wide: only a save on the training thread
+        # (the loop is waiting) turns it off; a background write keeps it.
+        crc = contextlib.nullcontext() if background else without_torch_crc32()
         try:
-            with _quiet_single_process(), without_torch_crc32():
+            with _quiet_single_process(), crc:
                 metadata = dcp.save(state, storage_writer=writer, process_group=group,
                                     no_dist=not dist.is_initialized())
         except CheckpointException as e:  # a BaseException: make it ours, with the cause
@@ -378,7 +400,7 @@ class NativeTorchAdapter(Adapter):
         return _copy_tree(state)
 
     def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Any) -> dict:
-        return self._dcp_save(staged, storage, step_dir, getattr(comm, "group", None))
+        return self._dcp_save(staged, storage, step_dir, getattr(comm, "group", None), background=True)
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         # Refuse a hostile .metadata here, with our error, before DCP sees it

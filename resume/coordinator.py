@@ -60,8 +60,9 @@ def rank_state_name(rank: int) -> str:
 @dataclass
 class _InFlight:
     step: int
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     error: BaseException | None = None
+    ok: bool = False
 
 
 @dataclass
@@ -223,7 +224,12 @@ class Coordinator:
         With ``async_save`` and ``blocking=False`` it returns once the state is staged;
         the write and the commit finish in the background (``maybe_wait_for_save``).
         """
-        self.maybe_wait_for_save()
+        try:
+            self.maybe_wait_for_save()
+        except ResumeError as e:
+            # The failed save committed nothing; this one (perhaps the save before a
+            # preemption) must still be tried. The error is not lost: it is logged here.
+            log.error("resume: the previous asynchronous save failed, saving again now: %s", e)
         step = self.state.iteration
         if self.last_committed_step == step:
             return step
@@ -246,12 +252,14 @@ class Coordinator:
             self._agree(self.comm.all_gather_object({k: v for k, v in shards.items() if k != "staged"}),
                         step_dir, saving=True)
             stall = self.clock() - started
-            self._in_flight = _InFlight(step, threading.Thread(
+            in_flight = _InFlight(step)
+            # Not a daemon: a script that ends without close() still finishes the write.
+            in_flight.thread = threading.Thread(
                 target=self._write_in_background, name=f"resume-save-{step}",
-                args=(step, step_dir, shards["staged"], staged["files"], expectation, started, stall,
-                      TrainState.from_dict(self.state.to_dict())),
-                daemon=True))
-            self._in_flight.thread.start()
+                args=(in_flight, step_dir, shards["staged"], staged["files"], expectation, started, stall,
+                      TrainState.from_dict(self.state.to_dict())))
+            self._in_flight = in_flight
+            in_flight.thread.start()
             return step
         # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
         report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
@@ -263,22 +271,28 @@ class Coordinator:
 
     def maybe_wait_for_save(self) -> None:
         """Wait for the save in flight, if any; raise its error (on every rank)."""
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         if in_flight is None:
             return
+        assert in_flight.thread is not None
         in_flight.thread.join()
+        self._in_flight = None  # only once it has ended: an interrupted wait can wait again
         if in_flight.error is not None:
             raise in_flight.error
+        if not in_flight.ok:
+            raise SaveFailedError(f"{self.run.storage.url(step_dirname(in_flight.step))}: the background "
+                                  "write ended without committing")
         self.last_committed_step = in_flight.step
 
-    def _write_in_background(self, step: int, step_dir: str, staged: Any, files: dict,
+    def _write_in_background(self, in_flight: _InFlight, step_dir: str, staged: Any, files: dict,
                              expectation: Expectation, started: float, stall: float,
                              state: TrainState) -> None:
         """Phases 2 and 3 of an asynchronous save, on the save group; errors kept for the wait."""
-        in_flight = self._in_flight
+        step = in_flight.step
         comm = self._save_comm
-        assert in_flight is not None and comm is not None
         try:
+            if comm is None:
+                raise SaveFailedError("asynchronous save without a save group")
             def write() -> dict:
                 written = self.adapter.write_staged(staged, self.run.storage, step_dir, comm)
                 return {"files": {**files, **self._file_records(step_dir, written)}}
@@ -295,6 +309,7 @@ class Coordinator:
             outcome = comm.broadcast_object(outcome, src=0)
             if outcome[0] != "ok":
                 raise SaveFailedError(f"{self.run.storage.url(step_dir)}: commit failed: {outcome[1]}")
+            in_flight.ok = True
         except BaseException as e:  # noqa: BLE001 - raised by the next wait, on this rank
             in_flight.error = e if isinstance(e, Exception) else SaveFailedError(
                 f"{self.run.storage.url(step_dir)}: background write interrupted: {e!r}")
@@ -618,6 +633,9 @@ class Coordinator:
         # An asynchronous save commits while the loop has moved on: the counters
         # are those of the staged state, snapshotted at the save.
         state = state or TrainState.from_dict(self.state.to_dict())
+        # The shards' directory entries are durable before the manifest names them
+        # (one sync here, not one per rank and file).
+        self.run.storage.sync_dir(step_dirname(step))
         manifest = Manifest(step=step, train_state=state,
                             files=files, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.config,

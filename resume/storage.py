@@ -46,6 +46,9 @@ class Storage(Protocol):
     def rename(self, src: str, dst: str) -> None: ...
     def put_file(self, local: str, path: str) -> None: ...
     def get_file(self, path: str, local: str) -> None: ...
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` durable (a no-op where writes are)."""
+        ...
     def local_path(self, path: str) -> str | None: ...
 
 
@@ -79,7 +82,13 @@ class LocalStorage:
             return f.read()
 
     def open_read(self, path: str) -> IO[bytes]:
-        return open(self.url(path), "rb")
+        # Unbuffered (readers bring their own large buffers), read-ahead widened.
+        f = open(self.url(path), "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        try:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        return f  # type: ignore[return-value]
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         # The rename is the commit point: a reader sees the old file or the
@@ -114,6 +123,9 @@ class LocalStorage:
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.url(src), self.url(dst))
 
+    def sync_dir(self, path: str) -> None:
+        fsync_dir(self.url(path))
+
     def put_file(self, local: str, path: str) -> None:
         target = self.url(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -140,8 +152,9 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
               FileExistsError)
 
 
-_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
-                      "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken")
+# CredentialRetrievalError (an instance metadata endpoint throttling thousands of
+# ranks) is transient and stays retried.
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken")
 
 
 def is_credential_error(exc: BaseException) -> bool:
@@ -174,7 +187,8 @@ class FsspecStorage:
         retry_kwargs: dict = {
             "retry": tenacity.retry_if_exception(is_transient),
             "stop": tenacity.stop_after_attempt(attempts),
-            "wait": tenacity.wait_exponential(multiplier=0.2, max=max_wait),
+            # Jittered, so thousands of ranks throttled together do not retry in step.
+            "wait": tenacity.wait_random_exponential(multiplier=0.2, max=max_wait),
             "reraise": True,
         }
         if sleep is not None:
@@ -245,6 +259,9 @@ class FsspecStorage:
 
     def rename(self, src: str, dst: str) -> None:
         self._call(self.fs.mv, self.url(src), self.url(dst), recursive=True)
+
+    def sync_dir(self, path: str) -> None:
+        pass  # an object store's PUT is durable when it returns
 
     def put_file(self, local: str, path: str) -> None:
         """Upload a local file in one request (multipart for large ones), retried as a whole."""

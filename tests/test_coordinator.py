@@ -273,19 +273,20 @@ def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_m
     from resume.errors import SaveFailedError
     from resume.run import Run
 
-    model = torch.nn.Linear(256, 256)
+    # 2048 x 2048: past torch.save's 8 MiB buffer, the zip writer re-raises ENOSPC as a RuntimeError.
+    model = torch.nn.Linear(2048, 2048)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [{"ids": torch.tensor([i])} for i in range(10)]
     coord = Coordinator(run_dir, NativeTorchAdapter(model, opt, None, data), global_batch=1, every=0,
                         handle_signals=False)
     coord.restore()
-    model(torch.randn(2, 256)).sum().backward()
+    model(torch.randn(2, 2048)).sum().backward()
     opt.step()
     coord.update()
     assert coord.save() == 1
     coord.update(applied=False)
     write = dcp_io._HashingSink.write
-    budget = {"left": 100_000}
+    budget = {"left": 20_000_000}
 
     def fills_up(self, b):
         budget["left"] -= len(b)
@@ -293,7 +294,8 @@ def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_m
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(self, b)
     monkeypatch.setattr(dcp_io._HashingSink, "write", fills_up)
-    with pytest.raises(SaveFailedError, match=r"disk full: expected room for this rank's shards, about \d+ bytes"):
+    with pytest.raises(SaveFailedError, match=r"disk full \(or quota\) on ranks \[0\]: expected room for "
+                       r"each rank's shards, about \d+ bytes"):
         coord.save()
     monkeypatch.undo()
     run = Run.open(run_dir)
