@@ -81,8 +81,10 @@ class TorchDistComm:
 
     def fork(self) -> TorchDistComm:
         # gloo whatever training uses: the background save moves CPU objects only.
+        # For a subgroup only its members take part (the rest of the world never calls this).
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        return TorchDistComm(dist.new_group(ranks=ranks, backend="gloo"))
+        return TorchDistComm(dist.new_group(ranks=ranks, backend="gloo",
+                                            use_local_synchronization=ranks is not None))
 
     def max_flags(self, flags: list[int]) -> list[int]:
         # On the device NCCL needs; gloo and others take CPU tensors.
