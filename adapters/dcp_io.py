@@ -316,6 +316,7 @@ def make_reader(storage: Any, step_dir: str) -> Any:
         reader.fs = ReadaheadFileSystem()
         return reader
     reader = SafeFileSystemReader("resume-remote")
+    reader.threads = 1  # each reader thread would fetch the whole object again
     reader.fs = RetryingFsspecFileSystem(storage, step_dir)
     reader.path = reader.fs.init_path("")
     return reader

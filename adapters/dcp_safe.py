@@ -143,11 +143,15 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             for req in reqs:
                 info = self.storage_data[req.storage_index]
+                target = planner.resolve_tensor(req).detach()
+                whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
+                if whole and read_stored_tensor_into(stream, info.offset, info.length, target):
+                    planner.commit_tensor(req, target)
+                    continue
                 stream.seek(info.offset)
                 view = _create_file_view(stream, info.offset, info.length)
                 tensor = torch.load(view, map_location="cpu", weights_only=True)
                 tensor = narrow(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise ValueError(f"{relative_path}: {req.storage_index.fqn}: size: expected "
                                      f"{tuple(target.size())}, actual {tuple(tensor.size())}")
@@ -169,3 +173,122 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# -- reading a stored tensor straight into its target -------------------------------------------
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+class _Window(io.RawIOBase):
+    """A seekable window [offset, offset + length) of a file (SEEK_END relative to the window)."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + offset))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b)[: max(0, self.length - self.pos)]
+        if not len(view):
+            return 0
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(view) or 0
+        self.pos += n
+        return n
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd tensor's pickle as a description; nothing in it is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda *args: ("tensor", args)
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return ("storage", pid)
+
+
+def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -> bool:
+    """Copy a DCP item (a torch.save'd tensor at [offset, offset+length) of ``f``) straight into
+    ``target``, when it is exactly a contiguous tensor of target's dtype and shape, stored raw.
+
+    One read into the target's own memory instead of torch.load + copy. False (nothing
+    written) whenever anything is not as expected: the caller then takes the general path.
+    """
+    import struct
+    import zipfile
+
+    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+        return False
+    window = _Window(f, offset, length)
+
+    def start_of(info: zipfile.ZipInfo) -> int:
+        """Where a stored record's bytes begin (its local header's name and extra vary)."""
+        window.seek(info.header_offset)
+        header = window.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise ValueError("not a local file header")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return info.header_offset + 30 + name_len + extra_len
+
+    def raw(info: zipfile.ZipInfo) -> bytes:
+        # Read as stored: our shards are written without torch's per-record CRC
+        # (the file's xxh3 covers them), which zipfile's reader would reject.
+        window.seek(start_of(info))
+        return window.read(info.file_size)
+
+    try:
+        with zipfile.ZipFile(window) as z:
+            infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+        data, pkl = infos.get("data/0"), infos.get("data.pkl")
+        if data is None or pkl is None or "data/1" in infos or data.compress_type != zipfile.ZIP_STORED \
+                or pkl.compress_type != zipfile.ZIP_STORED:
+            return False
+        if "byteorder" in infos and raw(infos["byteorder"]) != b"little":
+            return False
+        kind, args = _RecordUnpickler(io.BytesIO(raw(pkl))).load()
+        data_start = start_of(data)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError, EOFError):
+        return False
+    if kind != "tensor" or len(args) < 4:
+        return False
+    (tag, pid), storage_offset, size, stride = args[0], args[1], tuple(args[2]), tuple(args[3])
+    if tag != "storage" or not isinstance(pid, tuple) or len(pid) < 5:
+        return False
+    dtype = _STORAGE_DTYPES.get(pid[1])
+    expected_stride = tuple(torch.empty(0).new_empty(size).stride()) if size else ()
+    if (dtype != target.dtype or storage_offset != 0 or size != tuple(target.shape) or stride != expected_stride
+            or data.file_size != target.numel() * target.element_size()):
+        return False
+    f.seek(offset + data_start)
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    filled = 0
+    while filled < len(view):
+        n = f.readinto(view[filled:])
+        if not n:
+            raise EOFError(f"stored tensor ends after {filled} of {len(view)} bytes")
+        filled += n
+    return True
