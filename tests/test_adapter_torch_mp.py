@@ -102,7 +102,7 @@ def test_adamw_and_muon_with_two_schedulers_round_trip(tmp_path):
         assert len({lrs[-1] for lrs in out["lrs"]}) == 2
 
 
-def fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict:
+def fsdp2_round_trip(rank: int, world: int, tmp: str, async_save: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -132,7 +132,7 @@ def fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict:
 
         adapter = NativeTorchAdapter(model, opt, [], Data())
         return Coordinator(f"{tmp}/run", adapter, global_batch=world, every=3,
-                           handle_signals=False), model, opt
+                           handle_signals=False, async_save=async_save), model, opt
 
     def full(model, opt):
         params = {n: tensor_digest(p.full_tensor()) for n, p in model.named_parameters()}
@@ -142,14 +142,18 @@ def fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict:
 
     coord, model, opt = job()
     coord.restore()
+    saved = None
+    # Asynchronously, training goes on to 5 while the save of 3 (staged DTensor shards) is written.
+    until = 5 if async_save else 3
     for batch in coord.batches():
         model(batch["x"]).sum().backward()
         opt.step()
         opt.zero_grad()
         coord.update(applied=True)
         if coord.iteration == 3:
+            saved = full(model, opt)
+        if coord.iteration == until:
             break
-    saved = full(model, opt)
     is_dtensor = type(next(model.parameters())).__name__
     coord.close()
     coord, model, opt = job()
@@ -157,8 +161,9 @@ def fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict:
     return {"same": full(model, opt) == saved, "restored": coord.restored_from, "param_type": is_dtensor}
 
 
-def test_fsdp2_dtensor_state_round_trips(tmp_path):
-    for out in run_ranks(fsdp2_round_trip, 2, str(tmp_path)):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_fsdp2_dtensor_state_round_trips(tmp_path, async_save):
+    for out in run_ranks(fsdp2_round_trip, 2, str(tmp_path), async_save):
         assert out["param_type"] == "DTensor"
         assert out["restored"] == 3
         assert out["same"]
