@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from resume.errors import ManifestError, UnsafeCheckpointError
 from resume.manifest import check_relative_path
 
-__all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "restricted_load_metadata"]
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "read_stored_tensor_into", "restricted_load_metadata"]
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -157,13 +157,6 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
                                      f"{tuple(target.size())}, actual {tuple(tensor.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(req, target)
-
-
-def SafeFsspecReader(path: str, **kwargs: Any):
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    cls = type("SafeFsspecReader", (_SafeMetadataMixin, FsspecReader), {})
-    return cls(path, **kwargs)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

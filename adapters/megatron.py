@@ -402,7 +402,7 @@ class MegatronRecorder:
         _raise_any(gathered, "checksum verification", exc)
         return [p for g in gathered for p in g["problems"]]
 
-    def _vet_pickles(self, step: int, manifest: Manifest | None) -> dict:
+    def _vet_pickles(self, step: int, manifest: Manifest | None) -> None:
         """Every pickle Megatron will unpickle, read first with restricted loaders.
 
         With a manifest, a file in the directory that it does not list is refused:
@@ -415,9 +415,8 @@ class MegatronRecorder:
                 raise UnsafeCheckpointError(f"{self.run.storage.url(d)}: files: expected only those the "
                                             f"manifest lists, actual also {unlisted[:5]} (refused)")
         require_torch_dist(self.run.storage, step)
-        common = read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
+        read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
         vet_byte_entries(self.run.storage, d)
-        return {"common": {"iteration": common.iteration, "counters": _counters_or_none(common)}}
 
     def _check_arguments(self, manifest: Manifest, args: Any, source: str) -> None:
         compare_config(manifest.config, _config(args))
@@ -620,13 +619,6 @@ def check_supported(args: Any) -> None:
     if problems:
         raise UsageError("megatron arguments: expected none of " + ", ".join(problems) + " with "
                          "resume.adapters.megatron installed, actual set")
-
-
-def _counters_or_none(common: CommonState) -> dict | None:
-    try:
-        return common.counters().to_dict()
-    except ResumeError:
-        return None
 
 
 def _walk(run: Run, d: str) -> list[str]:
