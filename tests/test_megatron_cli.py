@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 
 import pytest
+from megatron_support import _Planted, plant_metadata_pickle
 from test_cli import assert_one_line_error, resume
-
-from resume.checksum import checksum_bytes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
 
@@ -92,25 +90,10 @@ def test_not_a_megatron_save_or_empty_is_nothing_there(tmp_path):
     assert_one_line_error(resume("ls", str(tmp_path)), 3, "expected checkpoints, actual none")
 
 
-class _Planted:
-    def __reduce__(self):
-        return (os.system, (f"touch {os.environ['PLANTED_MARKER']}",))
-
-
 def test_planted_metadata_pickle_runs_nothing_and_is_named(save, tmp_path, monkeypatch):
     marker = tmp_path / "code-ran"
     monkeypatch.setenv("PLANTED_MARKER", str(marker))
-    data = pickle.dumps(_Planted())
-    step_dir = os.path.join(save, "iter_0000006")
-    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
-        f.write(data)
-    # An attacker who also rewrites our manifest: sizes and checksums agree again.
-    path = os.path.join(step_dir, "resume-manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    plant_metadata_pickle(os.path.join(save, "iter_0000006"))
     proc = resume("verify", save, "--deep", "--step", "6")
     assert_one_line_error(proc, 1, "iter_0000006/.metadata", "posix.system", "refused")
     assert not marker.exists()

@@ -108,28 +108,16 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(trained, tmp_p
 
 def test_planted_pickle_is_refused_before_megatron_unpickles_it(trained, tmp_path, monkeypatch):
     """Megatron reads .metadata with plain pickle; resume reads it first, with an allow-list."""
-    import pickle
     import shutil
 
-    from test_megatron_cli import _Planted
-
-    from resume.checksum import checksum_bytes
+    from megatron_support import plant_metadata_pickle
 
     save_dir, _ = trained
     copy = str(tmp_path / "save")
     shutil.copytree(save_dir, copy)
     marker = tmp_path / "code-ran"
     monkeypatch.setenv("PLANTED_MARKER", str(marker))
-    data = pickle.dumps(_Planted())
-    step_dir = os.path.join(copy, "iter_0000006")
-    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
-        f.write(data)
-    path = os.path.join(step_dir, "resume-manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    plant_metadata_pickle(os.path.join(copy, "iter_0000006"))
     out = run_ranks(_resume, 1, copy, [])[0]
     assert out["error"]["type"] == "UnsafeCheckpointError", out
     assert "posix.system" in out["error"]["message"] and "refused" in out["error"]["message"]
