@@ -34,6 +34,7 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint import filesystem as _fs
 
+from resume import faults
 from resume.checksum import ALGORITHM
 
 __all__ = ["ChecksummingFileSystem", "RetryingFsspecFileSystem", "make_reader", "make_writer",
@@ -83,7 +84,10 @@ class _HashingSink(io.RawIOBase):
         while written < len(view):  # a raw write may be partial
             n = self.raw.write(view[written:])
             written += n
+        first = self.size == 0
         self.size += written
+        if first:
+            faults.point("save.mid_shards")  # the file's first block is out, the rest not yet
         if self._writeback and self.size - self._flushed_to >= WRITEBACK_EVERY:
             _sync_file_range(self.raw.fileno(), self._flushed_to, self.size - self._flushed_to,
                              _SYNC_FILE_RANGE_WRITE)

@@ -150,7 +150,12 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
                     continue
                 stream.seek(info.offset)
                 view = _create_file_view(stream, info.offset, info.length)
-                tensor = torch.load(view, map_location="cpu", weights_only=True)
+                try:
+                    tensor = torch.load(view, map_location="cpu", weights_only=True)
+                except pickle.UnpicklingError as e:
+                    raise UnsafeCheckpointError(
+                        f"{relative_path}: {req.storage_index.fqn}: pickle: expected tensor data only, "
+                        f"actual {pickle_refusal(e)} (refused, nothing run)") from e
                 tensor = narrow(tensor, req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
                     raise ValueError(f"{relative_path}: {req.storage_index.fqn}: size: expected "
@@ -161,7 +166,12 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{read_item.storage_index.fqn}: pickle: expected plain data only, actual "
+                f"{pickle_refusal(e)} (refused, nothing run)") from e
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -285,3 +295,9 @@ def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -
             raise EOFError(f"stored tensor ends after {filled} of {len(view)} bytes")
         filled += n
     return True
+
+
+def pickle_refusal(error: BaseException) -> str:
+    """torch's weights-only refusal names the global on its first lines; the rest is advice."""
+    lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line]
+    return (lines[0] if lines else str(error).splitlines()[0] if str(error) else type(error).__name__)[:300]

@@ -38,13 +38,20 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from resume.adapter import Adapter
 from resume.comm import Comm, LocalComm
-from resume.errors import SaveFailedError, UsageError
+from resume.errors import (
+    CorruptCheckpointError,
+    ResumeError,
+    SaveFailedError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 from resume.storage import Storage
 
 from . import jsonstate
 from .dcp_io import make_reader, make_writer, without_torch_crc32
 from .dcp_safe import (
     SafeLoadPlanner,
+    pickle_refusal,
     restricted_load_metadata,
 )
 
@@ -124,10 +131,31 @@ def _explain_dcp_failure(e: BaseException, state: Any, storage: Storage, step_di
             free = f", {st.f_bavail * st.f_frsize} bytes free now"
         return (f"{where}: disk full (or quota) on ranks {sorted(full)[:8]}: expected room for each rank's "
                 f"shards, about {needed} bytes for this one, actual no space left{free} (the previous "
-                "checkpoint is untouched; the partial step stays uncommitted until it is saved again: "
-                "free space or move the run)")
+                "checkpoint is untouched; the partial step is removed: free space or move the run)")
     detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
     return f"{where}: writing the shards failed on ranks {ranks[:8]}: {detail}"
+
+
+def _load_failure(e: BaseException, storage: Storage, step_dir: str) -> ResumeError:
+    """DCP's CheckpointException of a load as one of our errors: a refused pickle stays an
+    UnsafeCheckpointError, anything else a CorruptCheckpointError; both name the step and ranks."""
+    import pickle
+
+    failures = getattr(e, "failures", None) or {}
+    causes = {rank: (c[0] if isinstance(c, tuple) else c) for rank, c in failures.items()}
+    ranks = sorted(causes)
+    cause = causes[ranks[0]] if ranks else e
+    where = f"{storage.url(step_dir)}: loading the shards failed on ranks {ranks[:8]}"
+    for c in causes.values():
+        if isinstance(c, UnsafeCheckpointError):
+            return UnsafeCheckpointError(f"{where}: {c}")
+        if isinstance(c, pickle.UnpicklingError):
+            return UnsafeCheckpointError(f"{where}: pickle: expected tensor data only, actual "
+                                         f"{pickle_refusal(c)} (refused, nothing run)")
+    if isinstance(cause, ResumeError):
+        return cause
+    detail = str(cause).splitlines()[0] if str(cause) else ""
+    return CorruptCheckpointError(f"{where}: {type(cause).__name__}: {detail}")
 
 
 def _is_out_of_space(exc: BaseException | None) -> bool:
@@ -421,9 +449,12 @@ class NativeTorchAdapter(Adapter):
         for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
             del state["optim"]["state"][fqn]
         reader = make_reader(storage, step_dir)
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
-                     process_group=self.process_group, no_dist=not dist.is_initialized())
+        try:
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                         process_group=self.process_group, no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # a BaseException: make it ours, naming what refused
+            raise _load_failure(e, storage, step_dir) from e
         if saved_optimizers:
             # strict=False lets parameters that had no optimizer state keep none;
             # every model key was loaded above (DCP fails on a missing one).

@@ -129,20 +129,15 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
 
 
 def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
-    """Invariants and schedule sanity of a committed checkpoint's manifest."""
+    """Schedule sanity of a committed checkpoint's manifest (the counters' invariants are
+    part of the commit check)."""
     from .continuity import Expectation
-    from .errors import InvariantError, ManifestError
+    from .errors import ManifestError
 
     manifest = result.manifest
     assert manifest is not None
     source = run.storage.url(run.manifest_path(result.step))
-    problems = []
-    global_batch = manifest.config.get("global_batch")
-    try:
-        manifest.train_state.check_invariants(
-            global_batch=global_batch if isinstance(global_batch, int) else None, where=source)
-    except InvariantError as e:
-        problems.append(str(e))
+    problems: list[str] = []
     try:
         expectation = Expectation.from_dict(manifest.expectation, source=source)
     except ManifestError as e:
@@ -187,7 +182,9 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
     """Check checkpoints: complete, sizes, checksums (--deep), invariants, schedule.
 
     Without --step every step directory is checked; uncommitted ones (no
-    manifest: a save that did not finish) are listed but are not problems.
+    manifest: a save that did not finish) are listed but are not problems; and
+    LATEST, when present, must name a committed step. A file in a step
+    directory that its manifest does not list is a problem.
     Exits 0 if every committed checkpoint is sound, 1 naming each problem, 3 if
     there is no run or no checkpoint at all.
     """
@@ -211,12 +208,15 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
             if run.layout.name == "megatron":
                 result.problems.extend(_megatron_problems(run, result))
         results.append(result)
-    pointer: list[str] = []  # Megatron's tracker must name an iteration it can load
+    pointer: list[str] = []  # Megatron's tracker, or our LATEST, must name a loadable checkpoint
+    notes: list[str] = []
     if run.layout.name == "megatron":
         from .adapters.megatron_ckpt import format_problems, tracker_problems
 
         pointer = tracker_problems(run.storage) if step is None else []
         pointer += [p for r in results if not r.has_manifest for p in format_problems(run.storage, r.step)]
+    elif step is None and run.layout.latest:
+        pointer, notes = _latest_problems(run, results)
 
     # A step directory without any manifest is a save that never finished:
     # listed, not a problem, unless it was asked for by --step.
@@ -225,11 +225,14 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
     ok = not problems and any(r.committed for r in results)
     if as_json:
         _emit_json({"ok": ok, "deep": deep, "layout": run.layout.name, "pointer_problems": pointer,
+                    "pointer_notes": notes,
                     "steps": [{"step": r.step, "status": r.status, "committed": r.committed,
                                "problems": r.problems} for r in results]})
     else:
         for p in pointer:
-            click.echo(f"{MEGATRON_TRACKER}  PROBLEM: {p}")
+            click.echo(f"{run.layout.latest or MEGATRON_TRACKER}  PROBLEM: {p}")
+        for note in notes:
+            click.echo(f"{run.layout.latest}  note: {note}")
         for r in results:
             if r.committed:
                 state = r.manifest.train_state  # type: ignore[union-attr]
@@ -248,6 +251,46 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
         click.echo(f"resume: error: {run.url}: expected a committed checkpoint, actual none", err=True)
         return EXIT_NOTHING if step is None else EXIT_PROBLEM
     return EXIT_OK
+
+
+def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], list[str]]:
+    """Our LATEST hint: (problems, notes). Missing is fine; it must name a committed step.
+
+    Naming a broken step is only a note: that step's own problems are reported.
+    Older than the newest committed step is only a note too: a crash between
+    the manifest write and the LATEST update leaves it so, and discovery trusts
+    manifests, not LATEST.
+    """
+    name = run.layout.latest
+    assert name is not None
+    source = run.storage.url(name)
+    try:
+        text = run.storage.read_bytes(name).decode(errors="replace").strip()
+    except FileNotFoundError:
+        return [], []
+    except OSError as e:
+        return [f"{source}: expected a readable file, actual {type(e).__name__}: {e}"], []
+    if not (text.isascii() and text.isdigit()):
+        return [f"{source}: expected a step number, actual {text!r:.60}"], []
+    latest = int(text)
+    named = run.dirname(latest)
+    expected = f"{source}: names {named}: expected a committed checkpoint, actual"
+    by_step = {r.step: r for r in results}
+    if latest not in by_step:
+        aside = [n for n in run.storage.listdir("") if n.startswith(f"quarantine-{named}-")]
+        why = (f" (moved aside as {aside[-1]} by a restore that passed over it; the next commit "
+               "rewrites LATEST)") if aside else ""
+        return [f"{expected} no such directory{why}"], []
+    if by_step[latest].status == "broken":
+        return [], [f"{source}: names {named}, which is broken (its problems are listed)"]
+    if not by_step[latest].committed:
+        return [f"{expected} {by_step[latest].status} ({by_step[latest].reason})"], []
+    newest = max(r.step for r in results if r.committed)
+    if latest < newest:
+        note = (f"{source}: names {named}, older than the newest committed {run.dirname(newest)} "
+                "(a hint only; discovery trusts manifests)")
+        return [], [note]
+    return [], []
 
 
 def _megatron_problems(run: Run, result: CheckResult) -> list[str]:

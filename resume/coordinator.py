@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import errors as _errors
+from . import faults
 from .adapter import Adapter
 from .checksum import checksum_bytes, checksum_file
 from .comm import Comm
@@ -34,12 +35,14 @@ from .continuity import Expectation, compare, compare_config, merge_batch_descri
 from .control import SaveRequest, answer_request, pending_requests
 from .errors import (
     ContinuityError,
+    LeaseLostError,
     NoValidCheckpointError,
     ResumeError,
     SaveFailedError,
     StorageError,
     UsageError,
 )
+from .lease import Lease
 from .manifest import FileEntry, Manifest
 from .rng import RngRegistry
 from .run import KeepPolicy, Run, step_dirname
@@ -94,6 +97,9 @@ class Coordinator:
         handle_signals: bool = True,
         control_poll_s: float = 1.0,
         async_save: bool = False,
+        on_save_failure: str = "raise",
+        max_save_failures: int = 3,
+        lease_ttl_s: float | None = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """
@@ -118,6 +124,14 @@ class Coordinator:
                 for it and raise its error. Needs an adapter that can stage
                 (``Adapter.stage_shards``); saves asked for by a request or a signal are
                 synchronous (the asker waits for the commit anyway).
+            on_save_failure: what a failed scheduled save does (a full disk, storage down):
+                ``"raise"`` (SaveFailedError out of ``update()``: the job stops and is
+                restarted) or ``"continue"`` (logged; training goes on and the next
+                scheduled save tries again; the ``max_save_failures``-th failure in a row
+                raises). A save asked for by a request or a signal always raises.
+            lease_ttl_s: rank 0 holds ``RUN/lease.json`` while the coordinator lives, with a
+                heartbeat; another job is refused (RunBusyError) until the lease is older
+                than this. None: no lease (only for a run nothing else can reach).
             clock: injectable monotonic clock.
         """
         if not isinstance(global_batch, int) or global_batch < 1:
@@ -126,6 +140,12 @@ class Coordinator:
             raise UsageError(f"every: expected >= 0 iterations (0 = only on request), actual {every}")
         if lr_lookahead < 2:
             raise UsageError(f"lr_lookahead: expected >= 2 updates, actual {lr_lookahead}")
+        if on_save_failure not in ("raise", "continue"):
+            raise UsageError(f"on_save_failure: expected 'raise' or 'continue', actual {on_save_failure!r}")
+        if max_save_failures < 1:
+            raise UsageError(f"max_save_failures: expected >= 1, actual {max_save_failures}")
+        if lease_ttl_s is not None and lease_ttl_s <= 0:
+            raise UsageError(f"lease_ttl_s: expected > 0 seconds or None, actual {lease_ttl_s}")
         self.adapter = adapter
         self.comm = adapter.comm
         self.rank = self.comm.rank
@@ -140,6 +160,10 @@ class Coordinator:
         self.allow_fresh_start = allow_fresh_start
         self.verify_on_restore = verify_on_restore
         self.control_poll_s = control_poll_s
+        self.on_save_failure = on_save_failure
+        self.max_save_failures = max_save_failures
+        self.save_failures = 0
+        """Scheduled saves failed in a row (``on_save_failure="continue"``)."""
         self.clock = clock
 
         self.rng = RngRegistry()
@@ -165,6 +189,11 @@ class Coordinator:
         # (5,120 ranks must not hammer an object store).
         self.run = Run(open_storage(run_url))
         self._on_rank0(self.run.ensure_exists)
+        # One writer per run: rank 0 holds the lease (a second job is refused here,
+        # on every rank, before it touches anything).
+        self._lease: Lease | None = None
+        if lease_ttl_s is not None:
+            self._on_rank0(lambda: self._take_lease(lease_ttl_s))
         if handle_signals:
             self._install_signal_handlers()
 
@@ -233,6 +262,14 @@ class Coordinator:
         step = self.state.iteration
         if self.last_committed_step == step:
             return step
+        faults.set_context(rank=self.rank, step=step)
+        try:
+            return self._save_step(step, blocking=blocking)
+        except (ResumeError, OSError):
+            self._drop_uncommitted(step)
+            raise
+
+    def _save_step(self, step: int, *, blocking: bool) -> int:
         started = self.clock()
         step_dir = step_dirname(step)
         already = self._on_rank0(lambda: self._prepare_step_dir(step))
@@ -264,6 +301,7 @@ class Coordinator:
         # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
         report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
         reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
+        faults.point("save.after_gather")
         # Phase 3, rank 0: the manifest, last and atomically, then retention.
         self._on_rank0(lambda: self._commit(step, reports, expectation, self.clock() - started))
         self.last_committed_step = step
@@ -294,10 +332,13 @@ class Coordinator:
             if comm is None:
                 raise SaveFailedError("asynchronous save without a save group")
             def write() -> dict:
+                faults.point("save.before_shards")
                 written = self.adapter.write_staged(staged, self.run.storage, step_dir, comm)
+                faults.point("save.after_shards")
                 return {"files": {**files, **self._file_records(step_dir, written)}}
             report = self._guarded(write)
             reports = self._agree(comm.all_gather_object(report), step_dir, saving=True)
+            faults.point("save.after_gather")
             outcome: Any = None
             if comm.rank == 0:
                 try:
@@ -311,17 +352,43 @@ class Coordinator:
                 raise SaveFailedError(f"{self.run.storage.url(step_dir)}: commit failed: {outcome[1]}")
             in_flight.ok = True
         except BaseException as e:  # noqa: BLE001 - raised by the next wait, on this rank
+            self._drop_uncommitted(step)
             in_flight.error = e if isinstance(e, Exception) else SaveFailedError(
                 f"{self.run.storage.url(step_dir)}: background write interrupted: {e!r}")
 
     def close(self) -> None:
-        """Wait for a save in flight (raising its error) and restore the signal handlers."""
+        """Wait for a save in flight (raising its error), release the lease, restore the
+        signal handlers."""
         try:
             self.maybe_wait_for_save()
         finally:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers.clear()
+            if self._lease is not None:
+                lease, self._lease = self._lease, None
+                try:
+                    lease.release()
+                except OSError as e:  # it goes stale by itself
+                    log.warning("resume: cannot release %s: %s", lease.url, e)
+
+    def _drop_uncommitted(self, step: int) -> None:
+        """Rank 0, after a failed save: remove what it left unless it committed (frees a full disk)."""
+        if self.rank != 0:
+            return
+        try:
+            if self.run.storage.isdir(step_dirname(step)) and not self.run.storage.exists(
+                    self.run.manifest_path(step)):
+                self.run.delete_step(step)
+                log.warning("resume: removed %s, left uncommitted by the failed save", step_dirname(step))
+        except OSError as e:  # discovery passes over it; the next save of that step replaces it
+            log.warning("resume: cannot remove the uncommitted %s: %s", step_dirname(step), e)
+
+    def _take_lease(self, ttl_s: float) -> None:
+        lease = Lease(self.run.storage, ttl_s=ttl_s)
+        lease.acquire()
+        lease.start_heartbeat()
+        self._lease = lease
 
     # -- restore -------------------------------------------------------------------------
 
@@ -361,15 +428,20 @@ class Coordinator:
         if broken:
             # Out of the way of retention and of the next save of the same
             # step, kept for the operator: nothing a user saved is deleted.
-            self._on_rank0(lambda: self._quarantine(broken))
+            self._on_rank0(lambda: self._quarantine(broken, chosen))
         return chosen
 
-    def _quarantine(self, broken: list[tuple[int, str]]) -> None:
+    def _quarantine(self, broken: list[tuple[int, str]], chosen: Manifest | None) -> None:
         for step, why in broken:
             try:
                 self.run.quarantine_step(step, why)
             except OSError as e:  # left in place: discovery passes over it again next time
                 log.error("resume: cannot move broken %s aside: %s", step_dirname(step), e)
+        if chosen is not None:
+            try:  # the hint follows: it must not name a checkpoint that was moved aside
+                self.run.point_latest(chosen.step)
+            except OSError as e:
+                log.warning("resume: cannot point LATEST at %s: %s", step_dirname(chosen.step), e)
 
     def _verify_share(self, manifest: Manifest) -> list[str]:
         """Collective: every rank checksums its share of the files; all problems, on every rank."""
@@ -546,12 +618,30 @@ class Coordinator:
         scheduled_only = due and not (stop or requests or wants_save)
         try:
             step = self.save(blocking=not scheduled_only)
-        except ResumeError as e:
+        except (ResumeError, OSError) as e:
             self._answer(requests, step=None, error=str(e))
+            if scheduled_only and self._tolerate_save_failure(e):
+                return False
             raise
+        self.save_failures = 0
         self._answer(requests, step=step)
         if stop:
             self.should_stop = True
+        return True
+
+    def _tolerate_save_failure(self, error: BaseException) -> bool:
+        """With ``on_save_failure="continue"``: True while training may go on without this save."""
+        storage_trouble = isinstance(error, (SaveFailedError, OSError)) and not isinstance(error, LeaseLostError)
+        if self.on_save_failure != "continue" or not storage_trouble:
+            return False
+        self.save_failures += 1
+        if self.save_failures >= self.max_save_failures:
+            log.error("resume: %d scheduled saves failed in a row (max_save_failures=%d); stopping",
+                      self.save_failures, self.max_save_failures)
+            return False
+        log.error("resume: the save of step %d failed (%d in a row, stopping at %d); training goes on "
+                  "and the next scheduled save tries again: %s", self.state.iteration, self.save_failures,
+                  self.max_save_failures, error)
         return True
 
     def _answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
@@ -587,7 +677,9 @@ class Coordinator:
 
     def _write_shards(self, step_dir: str, files: dict) -> dict:
         """Phase 2 (collective): the adapter's shards, and this rank's file records."""
+        faults.point("save.before_shards")
         written = self.adapter.save_shards(self.run.storage, step_dir)
+        faults.point("save.after_shards")
         return {"files": {**files, **self._file_records(step_dir, written)}}
 
     def _file_records(self, step_dir: str, written: Any) -> dict:
@@ -636,6 +728,9 @@ class Coordinator:
         # The shards' directory entries are durable before the manifest names them
         # (one sync here, not one per rank and file).
         self.run.storage.sync_dir(step_dirname(step))
+        if self._lease is not None:
+            self._lease.check()  # a job whose lease was taken over must not commit
+        faults.point("save.before_manifest")
         manifest = Manifest(step=step, train_state=state,
                             files=files, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.config,

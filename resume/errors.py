@@ -114,3 +114,13 @@ class UnsafeCheckpointError(ResumeError, RuntimeError):
     """A checkpoint file tried to make the loader run code (a forbidden pickle global)."""
 
     exit_code = EXIT_PROBLEM
+
+
+class RunBusyError(ResumeError, RuntimeError):
+    """Another live job holds the run's lease (two writers on one run)."""
+
+    exit_code = EXIT_PROBLEM
+
+
+class LeaseLostError(SaveFailedError):
+    """This job's lease on the run was taken over; it must not commit any more."""

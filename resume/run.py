@@ -15,8 +15,9 @@ beside them (``resume-manifest.json``); Megatron keeps its own pointer
 (``latest_checkpointed_iteration.txt``), so there is no ``LATEST`` of ours.
 
 ``check`` is the only definition of "committed": the manifest parses and is
-valid, and every file it lists is present with the right size (``deep`` adds
-the checksums). Discovery, restore, ``ls``, ``verify`` and retention all use it.
+valid (its counters consistent), every file it lists is present with the right
+size (``deep`` adds the checksums), and the step directory holds nothing else.
+Discovery, restore, ``ls``, ``verify`` and retention all use it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from . import faults
 from .checksum import checksum_file
 from .errors import (
     CheckpointNotFoundError,
+    InvariantError,
     ManifestError,
     NoValidCheckpointError,
     RunNotFoundError,
@@ -244,6 +247,7 @@ class Run:
             result.problems.append(f"{self.storage.url(self.dirname(step))}: expected a readable "
                                    f"step directory, actual {type(e).__name__}: {e}")
             return result
+        result.problems.extend(self._counter_problems(result.manifest))
         for rel, entry in sorted(result.manifest.files.items()):
             path = self.step_path(step, rel)
             source = self.storage.url(path)
@@ -261,7 +265,42 @@ class Run:
                 continue
             if deep:
                 result.problems.extend(self.verify_checksums(result.manifest, [rel], progress))
+        result.problems.extend(self._unlisted_entries(result.manifest))
         return result
+
+    def _counter_problems(self, manifest: Manifest) -> list[str]:
+        """Counters that contradict each other make the manifest invalid, so restore passes over it."""
+        global_batch = manifest.config.get("global_batch")
+        try:
+            manifest.train_state.check_invariants(
+                global_batch=global_batch if isinstance(global_batch, int) else None,
+                where=self.storage.url(self.manifest_path(manifest.step)))
+        except InvariantError as e:
+            return [str(e)]
+        return []
+
+    def _unlisted_entries(self, manifest: Manifest) -> list[str]:
+        """Entries of the step directory that the manifest does not list: planted or stray.
+
+        One listing, top level only: ``a`` counts as listed when a manifest path
+        is ``a`` or starts with ``a/``.
+        """
+        d = self.dirname(manifest.step)
+        try:
+            names = self.storage.listdir(d)
+        except (OSError, ValueError) as e:
+            problem = f"{self.storage.url(d)}: expected a listable step directory, actual {type(e).__name__}"
+            return [f"{problem}: {e}"]
+        # d itself: an object store's "directory marker" object lists as an entry of its own.
+        listed = {rel.split("/", 1)[0] for rel in manifest.files} | {self.layout.manifest_name, d}
+        problems = []
+        for name in names:
+            if name not in listed:
+                path = self.step_path(manifest.step, name)
+                kind = "directory" if self.storage.isdir(path) else "file"
+                problems.append(f"{self.storage.url(path)}: expected only the files the manifest "
+                                f"lists, actual an unlisted {kind}")
+        return problems
 
     def verify_checksums(self, manifest: Manifest, paths: Iterable[str],
                          progress: Callable[[int], None] | None = None, *,
@@ -343,8 +382,15 @@ class Run:
         if not manifest.created_at:
             manifest.created_at = utc_now()
         self.storage.write_bytes_atomic(self.manifest_path(manifest.step), manifest.to_json().encode())
+        faults.point("save.after_manifest")
         if self.layout.latest:
-            self.storage.write_bytes_atomic(self.layout.latest, f"{manifest.step}\n".encode())
+            self.point_latest(manifest.step)
+            faults.point("save.after_latest")
+
+    def point_latest(self, step: int) -> None:
+        """Set our LATEST hint (no-op in a layout without one)."""
+        if self.layout.latest:
+            self.storage.write_bytes_atomic(self.layout.latest, f"{step}\n".encode())
 
     def latest_hint(self) -> int | None:
         """Our LATEST, or Megatron's tracker in a Megatron save directory (a hint either way)."""
@@ -373,13 +419,24 @@ class Run:
 
     def apply_retention(self, policy: KeepPolicy) -> list[int]:
         """Delete old committed checkpoints per policy; only after a newer one committed."""
-        committed = self.committed_steps()
+        results = [self.check(s) for s in self.step_dirs()]
+        committed = [r.step for r in results if r.committed]
         doomed = policy.select_deletions(committed)
         for step in doomed:
             # The manifest goes first: a half-deleted checkpoint is then
             # plainly uncommitted, never a torn "committed" one.
             self.storage.delete(self.manifest_path(step))
+            faults.point("retention.mid_delete")
             self.delete_step(step)
+        # Leftovers without a manifest behind the newest commit (a crashed save, a crashed
+        # deletion) are not checkpoints and never become one: their room is freed. A
+        # damaged checkpoint (a manifest that fails the check) is left for the operator.
+        if committed:
+            for r in results:
+                if r.step < committed[-1] and not r.has_manifest and r.step not in doomed \
+                        and self.storage.isdir(self.dirname(r.step)):
+                    log.warning("resume: removing %s, left without a manifest", self.dirname(r.step))
+                    self.delete_step(r.step)
         return doomed
 
     # -- run identity ---------------------------------------------------------------

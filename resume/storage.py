@@ -253,9 +253,13 @@ class FsspecStorage:
         self._call(self.fs.makedirs, self.url(path), exist_ok=True)
 
     def delete(self, path: str) -> None:
+        # The objects under the prefix (or the object itself), named one by one: a recursive
+        # rm also names the "directory" key, which some S3-compatible servers fail on.
         target = self.url(path)
-        if self._call(self.fs.exists, target):
-            self._call(self.fs.rm, target, recursive=True)
+        self.fs.invalidate_cache(target)
+        objects = self._call(self.fs.find, target)
+        if objects:
+            self._call(self.fs.rm, objects)
 
     def rename(self, src: str, dst: str) -> None:
         self._call(self.fs.mv, self.url(src), self.url(dst), recursive=True)

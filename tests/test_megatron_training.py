@@ -161,8 +161,9 @@ def test_resume_save_request_and_exit_signal_both_commit_a_manifest(tmp_path):
     assert out["committed"] == [2, 3]
 
 
-def test_a_file_the_manifest_does_not_list_is_refused_before_megatron_reads_it(trained, tmp_path):
-    """Megatron would load a planted common.pt; the manifest lists every file that belongs."""
+def test_a_file_the_manifest_does_not_list_is_passed_over_before_megatron_reads_it(trained, tmp_path):
+    """Megatron would load a planted common.pt; the manifest lists every file that belongs, so
+    the commit check fails for that iteration and the restart loads the one before it."""
     import shutil
 
     save_dir, _ = trained
@@ -171,5 +172,4 @@ def test_a_file_the_manifest_does_not_list_is_refused_before_megatron_reads_it(t
     with open(os.path.join(copy, "iter_0000006", "common.pt"), "wb") as f:
         f.write(b"planted")
     out = run_ranks(_resume, 1, copy, [])[0]
-    assert out["error"]["type"] == "UnsafeCheckpointError", out
-    assert "common.pt" in out["error"]["message"]
+    assert "error" not in out and out["iteration"] == 4, out

@@ -551,16 +551,16 @@ def test_select_deletions_keeps_multiples_of_keep_every():
 
 def test_retention_deletes_only_old_committed_checkpoints(tmp_path):
     run = make_run(tmp_path)
-    write_torn_checkpoint(run, 5)        # old, uncommitted: not retention's business
+    write_torn_checkpoint(run, 5)        # old, no manifest: a crashed save's leftover, swept
     for step in (10, 20, 30, 40):
         write_checkpoint(run, step)
     write_torn_checkpoint(run, 50)       # newest, uncommitted: may be a save in progress
+    (tmp_path / "run" / "step-000000007").write_text("a file, not a checkpoint")
     deleted = run.apply_retention(KeepPolicy(keep_last=2))
     assert deleted == [10, 20]
-    assert run.step_dirs() == [5, 30, 40, 50]
+    assert run.step_dirs() == [7, 30, 40, 50]  # the stray file is not ours to delete
     assert run.committed_steps() == [30, 40]
     assert run.storage.exists(run.step_path(50, "model/shard-0.bin"))
-    assert run.storage.exists(run.step_path(5, "model/shard-0.bin"))
 
 
 def test_retention_never_deletes_when_too_few_committed(tmp_path):

@@ -267,11 +267,16 @@ def test_fsspec_raises_storage_error_after_exhausting_attempts():
     assert err.exit_code == 1
 
 
-def test_fsspec_delete_retries_its_existence_check():
-    storage, fs, sleeps = flaky_storage({"exists": (1, OSError(5, "blip"))})
+def test_fsspec_delete_retries_its_listing_and_names_objects_only():
+    storage, fs, sleeps = flaky_storage({"find": (1, OSError(5, "blip"))})
     fs._fs.pipe_file(storage.url("d/f"), b"1")
+    fs._fs.pipe_file(storage.url("d/sub/g"), b"2")
+    fs._fs.pipe_file(storage.url("e"), b"3")
     storage.delete("d")
-    assert not fs._fs.exists(storage.url("d/f"))
+    storage.delete("e")
+    storage.delete("nothing-there")
+    assert not fs._fs.exists(storage.url("d/f")) and not fs._fs.exists(storage.url("d/sub/g"))
+    assert not fs._fs.exists(storage.url("e"))
     assert len(sleeps) == 1
 
 

@@ -34,6 +34,8 @@ class Setup:
     every: int = 3
     declare_seed: bool = True
     async_save: bool = False
+    keep: int = 3
+    on_save_failure: str = "raise"
     extra: dict = field(default_factory=dict)
 
 
@@ -77,7 +79,8 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     config.update(setup.extra)
     coord = Coordinator(run, adapter, global_batch=setup.global_batch, every=setup.every,
                         seq_len=CFG.seq_len, config=config, handle_signals=False,
-                        async_save=setup.async_save)
+                        async_save=setup.async_save, keep=setup.keep,
+                        on_save_failure=setup.on_save_failure)
     return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
 
 

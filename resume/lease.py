@@ -1,0 +1,188 @@
+"""One writer per run: a lease file with the holder's job id and a heartbeat.
+
+Two jobs writing checkpoints into one run would interleave steps, and
+retention of one would delete what the other needs. Rank 0 of a writing job
+holds ``RUN/lease.json``::
+
+    {"job_id": "4242", "host": "n0017", "pid": 913, "token": "…",
+     "acquired_at": 1796000000.0, "heartbeat_at": 1796000090.0, "ttl_s": 120}
+
+and rewrites it every ``ttl_s / 4`` seconds from a thread. Another job is
+refused with :class:`RunBusyError` naming the holder, unless the lease is
+stale: its heartbeat is older than ``ttl_s`` (wall clocks of the hosts are
+assumed to agree within a fraction of it), or the holder is a process on this
+host that no longer exists. A requeued copy of the same job (the same
+``SLURM_JOB_ID``, or ``RESUME_JOB_ID``) takes over its own lease at once.
+
+Two jobs that find the same stale lease at the same moment both write theirs;
+the heartbeat reads the file back before each refresh, and every commit checks
+that the lease is still its own first, so the loser stops with
+:class:`LeaseLostError` before it writes a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import LeaseLostError, RunBusyError
+
+__all__ = ["LEASE_NAME", "Holder", "Lease", "job_identity", "read_holder"]
+
+log = logging.getLogger("resume")
+
+LEASE_NAME = "lease.json"
+
+
+def job_identity() -> str:
+    """This job: RESUME_JOB_ID, else SLURM_JOB_ID (kept across a requeue), else host:pid."""
+    return (os.environ.get("RESUME_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+            or f"{socket.gethostname()}:{os.getpid()}")
+
+
+@dataclass
+class Holder:
+    job_id: str
+    host: str
+    pid: int
+    token: str
+    acquired_at: float
+    heartbeat_at: float
+    ttl_s: float
+
+    def describe(self, now: float) -> str:
+        return (f"job {self.job_id} (host {self.host}, pid {self.pid}), heartbeat "
+                f"{max(0.0, now - self.heartbeat_at):.0f} s ago, stale after {self.ttl_s:.0f} s")
+
+    def stale_because(self, now: float, *, host: str) -> str | None:
+        """Why this lease may be taken over, or None while its holder is alive."""
+        if now - self.heartbeat_at > self.ttl_s:
+            return f"heartbeat {now - self.heartbeat_at:.0f} s old (ttl {self.ttl_s:.0f} s)"
+        if self.host == host and not _pid_alive(self.pid):
+            return f"process {self.pid} on this host is gone"
+        return None
+
+
+def read_holder(storage: Any) -> Holder | None:
+    """The lease's holder; None when there is none. A damaged lease file is no lease."""
+    try:
+        body = json.loads(storage.read_bytes(LEASE_NAME))
+        return Holder(**{k: body[k] for k in Holder.__dataclass_fields__})
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as e:
+        log.warning("resume: %s: unreadable lease, treated as none: %s", storage.url(LEASE_NAME), e)
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """Rank 0's hold on a run (acquire, heartbeat, check before a commit, release)."""
+
+    def __init__(self, storage: Any, *, ttl_s: float = 120.0, job_id: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl: expected > 0 s, actual {ttl_s}")
+        self.storage = storage
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.job_id = job_id or job_identity()
+        self.host = socket.gethostname()
+        self.token = uuid.uuid4().hex
+        self.lost: str | None = None
+        self._acquired_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.storage.url(LEASE_NAME)
+
+    def acquire(self) -> None:
+        """Take the lease, or raise ``RunBusyError`` naming the live holder."""
+        now = self.clock()
+        holder = read_holder(self.storage)
+        if holder is not None and holder.token != self.token:
+            stale = holder.stale_because(now, host=self.host)
+            if holder.job_id == self.job_id:
+                log.info("resume: %s: taking over the lease of this job's earlier copy (%s)",
+                         self.url, holder.describe(now))
+            elif stale:
+                log.warning("resume: %s: taking over a stale lease: %s (%s)", self.url,
+                            holder.describe(now), stale)
+            else:
+                raise RunBusyError(f"{self.url}: expected no other job writing this run, actual "
+                                   f"{holder.describe(now)} (job {self.job_id} refused; see "
+                                   "runbooks/two-jobs.md)")
+        self._acquired_at = now
+        self._write(now)
+        # Read back: of two jobs that took a stale lease together, the last writer holds it.
+        mine = read_holder(self.storage)
+        if mine is None or mine.token != self.token:
+            other = mine.describe(self.clock()) if mine else "nobody"
+            raise RunBusyError(f"{self.url}: expected to hold the lease after writing it, actual {other}")
+
+    def start_heartbeat(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, name="resume-lease", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.refresh()
+            except LeaseLostError as e:
+                log.error("resume: %s", e)
+                return
+            except OSError as e:  # storage down for a moment: the next beat tries again
+                log.warning("resume: %s: heartbeat failed: %s", self.url, e)
+
+    def refresh(self) -> None:
+        """Rewrite the heartbeat if the lease is still ours; ``LeaseLostError`` if not."""
+        with self._lock:
+            self.check()
+            self._write(self.clock())
+
+    def check(self) -> None:
+        """Raise ``LeaseLostError`` unless the lease file is ours (before every commit)."""
+        if self.lost is None:
+            holder = read_holder(self.storage)
+            if holder is None or holder.token != self.token:
+                self.lost = holder.describe(self.clock()) if holder else "no lease file"
+        if self.lost is not None:
+            raise LeaseLostError(f"{self.url}: expected this job's lease (job {self.job_id}), actual "
+                                 f"{self.lost}: another job took over this run; nothing committed")
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            holder = read_holder(self.storage)
+            if holder is not None and holder.token == self.token:
+                self.storage.delete(LEASE_NAME)
+
+    def _write(self, now: float) -> None:
+        holder = Holder(job_id=self.job_id, host=self.host, pid=os.getpid(), token=self.token,
+                        acquired_at=self._acquired_at, heartbeat_at=now, ttl_s=self.ttl_s)
+        self.storage.write_bytes_atomic(LEASE_NAME, (json.dumps(asdict(holder)) + "\n").encode())
