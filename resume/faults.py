@@ -32,7 +32,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "InjectedFault", "arm", "disarm", "parse", "point",
+__all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "InjectedFault", "arm", "disarm", "fired", "parse", "point",
            "set_context"]
 
 ENV = "RESUME_FAULT"
@@ -89,7 +89,8 @@ def parse(spec: str) -> list[Fault]:
         fault = Fault(name, action)
         for option in options:
             key, _, value = option.partition("=")
-            if key not in ("rank", "step", "hit") or not value.isdigit():
+            # isascii: "²".isdigit() is true, and int() would refuse it without naming the option
+            if key not in ("rank", "step", "hit") or not (value.isascii() and value.isdigit()):
                 raise ValueError(f"{ENV}: {name}: expected rank=N, step=N or hit=N, actual {option!r}")
             setattr(fault, key, int(value))
         if fault.hit < 1:
@@ -102,6 +103,11 @@ def arm(spec: str) -> None:
     """Arm the faults of ``spec`` (replacing any armed before), as ``RESUME_FAULT`` would."""
     global _armed
     _armed = parse(spec)
+
+
+def fired() -> list[str]:
+    """The points whose armed faults have fired in this process (those that raise or fail)."""
+    return [f.point for f in _armed or () if f.seen >= f.hit]
 
 
 def disarm() -> None:
@@ -123,13 +129,19 @@ def point(name: str) -> None:
         _armed = parse(os.environ.get(ENV, ""))
     if not _armed:
         return
+    # Every matching fault counts this pass before any fires: "hit=1; hit=2" at one point
+    # fires at its first and its second pass (one that fired must not hide the pass from
+    # the others). Of several due at the same pass, the first listed fires.
+    due = None
     for fault in _armed:
         if fault.point != name or fault.rank not in (None, _context.rank) or \
                 fault.step not in (None, _context.step):
             continue
         fault.seen += 1
-        if fault.seen == fault.hit:
-            _fire(fault)
+        if fault.seen == fault.hit and due is None:
+            due = fault
+    if due is not None:
+        _fire(due)
 
 
 def _fire(fault: Fault) -> None:

@@ -31,6 +31,7 @@ from resume.run import Run
 EVERY = 2
 UNTIL = 8
 GRACE_S = 0.5
+ABSENT = "absent"
 HANG_S = 20.0
 
 
@@ -38,7 +39,7 @@ HANG_S = 20.0
 class Job:
     codes: list[int | None]
     restored: list[int | None | str]
-    """Per rank: the step restored from (None: a fresh start), an error's text, or absent
+    """Per rank: the step restored from (None: a fresh start), an error's text, or ABSENT
     when the rank died before its restore returned."""
     final: list[dict | None]
     seconds: float
@@ -65,7 +66,7 @@ def _rank_main(rank: int, world: int, store: str, out: str, run_url: str, env: d
         train(coord, parts, until=until)
     coord.close()
     _write(out, f"final-{rank}", {"iteration": coord.iteration, "params": param_digests(parts["model"]),
-                                  "moments": moment_digests(parts["opt"])})
+                                  "moments": moment_digests(parts["opt"]), "fired": faults.fired()})
     # Out without tearing down DDP and gloo (their destructors can wait on a peer that
     # already left); the results are on disk.
     os._exit(0)
@@ -122,7 +123,7 @@ def run_job(run_url: str, *, world: int = 2, fault: str = "", until: int = UNTIL
         restored = []
         for rank in range(world):
             body = _read(out, f"restored-{rank}")
-            restored.append(None if body is None else body.get("step", body.get("error")))
+            restored.append(ABSENT if body is None else body["step"] if "step" in body else body["error"])
         job = Job(codes=[p.exitcode for p in procs], restored=restored,
                   final=[_read(out, f"final-{rank}") for rank in range(world)],
                   seconds=time.monotonic() - started)
@@ -135,3 +136,107 @@ def committed_deep(run_url: str) -> set[int]:
     """The steps whose checkpoints pass the deep commit check (every checksum)."""
     run = Run.open(run_url)
     return {s for s in run.step_dirs() if run.check(s, deep=True).committed}
+
+
+@dataclass
+class SoakReport:
+    cycles: int = 0
+    campaigns: int = 0
+    faults: dict = field(default_factory=dict)
+    """(point, action) -> how many jobs that fault ended or failed a save of."""
+    not_reached: int = 0
+    """Jobs that finished before their fault's point came (the campaign ends there)."""
+    restores: dict = field(default_factory=dict)
+    """'newest' (the newest complete checkpoint), 'fresh' (none yet)."""
+    lost: int = 0
+    torn_loads: int = 0
+    """Restores that loaded anything but the newest complete checkpoint (or failed)."""
+    mismatched_finals: int = 0
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        rows = [("scenarios run (jobs)", self.cycles), ("campaigns (run to the end)", self.campaigns),
+                ("faults injected", sum(self.faults.values())), ("faults not reached", self.not_reached),
+                *[(f"  {p} : {a}", n) for (p, a), n in sorted(self.faults.items())],
+                ("restores of the newest complete checkpoint", self.restores.get("newest", 0)),
+                ("fresh starts (nothing committed yet)", self.restores.get("fresh", 0)),
+                ("checkpoints lost", self.lost), ("torn loads", self.torn_loads),
+                ("final states unlike the uninterrupted run", self.mismatched_finals),
+                ("seconds", round(self.seconds, 1))]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+ACTIONS_DRAWN = ("kill", "kill", "kill", "raise", "enospc", "eio")
+
+
+def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None,
+         s3: tuple[str, dict] | None = None, log=print) -> SoakReport:
+    """Save/kill/restore cycles at random points, ranks, actions and policies until ``cycles`` jobs
+    ran; each campaign (a fresh run) goes on until a job reaches the end, whose state must equal
+    the uninterrupted run's. ``s3``: (bucket URL prefix, environment) to put every other campaign
+    on an object store (behind a fault proxy, for storage faults)."""
+    import random
+
+    rng = random.Random(seed)
+    report = SoakReport()
+    started = time.monotonic()
+    if reference is None:
+        reference = run_job(os.path.join(root, "reference")).final
+    while report.cycles < cycles:
+        report.campaigns += 1
+        on_s3 = s3 is not None and report.campaigns % 2 == 0
+        url = f"{s3[0]}/soak-{seed}-{report.campaigns}" if on_s3 else os.path.join(root, f"c{report.campaigns}")
+        env = s3[1] if on_s3 else {}
+        keep = rng.choice((2, 3))
+        while True:
+            before = committed_deep(url) if _exists(url) else set()
+            point = rng.choice(faults.POINTS)
+            rank = 0 if point in faults.RANK0_POINTS else rng.randrange(2)
+            action = rng.choice(ACTIONS_DRAWN)
+            policy = rng.choice(("raise", "continue"))
+            spec = f"{point}:{action} rank={rank} hit={rng.randint(1, 2)}"
+            job = run_job(url, fault=spec, keep=keep, env=env, on_save_failure=policy)
+            report.cycles += 1
+            after = committed_deep(url)
+            expected = max(before) if before else None
+            for restored in job.restored:
+                if restored == ABSENT:
+                    continue  # killed before its restore returned
+                if restored != expected:  # another step, or an error instead of the newest
+                    report.torn_loads += 1
+                    log(f"cycle {report.cycles}: {spec}: restored {restored}, newest complete {expected}")
+            report.restores["fresh" if expected is None else "newest"] = \
+                report.restores.get("fresh" if expected is None else "newest", 0) + 1
+            # A checkpoint may go only by retention: when `keep` newer ones are committed.
+            lost = sorted(s for s in before - after if sum(a > s for a in after) < keep)
+            if lost:
+                report.lost += len(lost)
+                log(f"cycle {report.cycles}: {spec}: lost {lost}")
+            finished = job.codes == [0, 0] and all(f is not None for f in job.final)
+            fired = not finished or _saves_failed(job)
+            if fired:
+                report.faults[(point, action)] = report.faults.get((point, action), 0) + 1
+            else:
+                report.not_reached += 1
+            if finished:
+                if [f["params"] for f in job.final] != [r["params"] for r in reference] or \
+                        [f["moments"] for f in job.final] != [r["moments"] for r in reference]:
+                    report.mismatched_finals += 1
+                    log(f"cycle {report.cycles}: {spec}: final state differs from the uninterrupted run")
+                break
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _exists(url: str) -> bool:
+    try:
+        Run.open(url)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _saves_failed(job: Job) -> bool:
+    """A finished job whose fault still fired: a save failed and training went on."""
+    return any(f and f.get("fired") for f in job.final)
