@@ -60,6 +60,7 @@ from resume.errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from resume.lease import Lease
 from resume.manifest import FileEntry, Manifest
 from resume.run import MEGATRON_LAYOUT, Run
 from resume.state import TrainState
@@ -136,7 +137,8 @@ class MegatronRecorder:
 
     def __init__(self, save_dir: str, *, comm: Comm | None = None, lr_lookahead: int = 3,
                  verify_on_load: bool = True, accept_schedule_change: bool = False,
-                 control_poll_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 control_poll_s: float = 5.0, lease_ttl_s: float | None = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """
         Args:
             save_dir: Megatron's ``--save`` (and ``--load``) directory, a path or fsspec URL.
@@ -148,6 +150,9 @@ class MegatronRecorder:
             accept_schedule_change: let a run whose arguments give another LR schedule
                 continue (logged); by default that is a ContinuityError.
             control_poll_s: how often rank 0 looks for ``resume save`` requests.
+            lease_ttl_s: rank 0 holds the save directory's lease (``lease.json``) from the
+                first load or save on, with a heartbeat; another job is refused
+                (RunBusyError) until it is this old. None: no lease.
         """
         if lr_lookahead < 2:
             raise ValueError(f"lr_lookahead: expected >= 2, actual {lr_lookahead}")
@@ -164,6 +169,9 @@ class MegatronRecorder:
         self._skipped_since = 0
         self._skipped_samples_base = 0
         self._last_poll = float("-inf")
+        self.lease_ttl_s = lease_ttl_s
+        self._lease: Lease | None = None
+        self._lease_taken = False
 
     @property
     def comm(self) -> Comm:
@@ -235,6 +243,7 @@ class MegatronRecorder:
         that describes other bytes.
         """
         path = self.run.manifest_path(iteration)
+        self._hold_lease()
 
         def drop() -> None:
             if self.run.storage.exists(path):
@@ -267,7 +276,11 @@ class MegatronRecorder:
                                 expectation=expectation, topology=_topology(args, self.comm.world_size),
                                 config=_config(args), adapter=ADAPTER_NAME,
                                 timing={"manifest_s": round(self.clock() - started, 3)})
-            result, exc = _guard(lambda: self.run.write_manifest(manifest))
+            def commit() -> None:
+                if self._lease is not None:
+                    self._lease.check()  # a job whose lease was taken over must not commit
+                self.run.write_manifest(manifest)
+            result, exc = _guard(commit)
         else:
             result = {}
         _raise_any([self.comm.broadcast_object(result, src=0)], f"commit of {d}", exc)
@@ -307,6 +320,7 @@ class MegatronRecorder:
         """
         self.loaded = None
         check_supported(args)
+        self._hold_lease()
         pinned = getattr(args, "ckpt_step", None) or None
         chosen: Manifest | None = None
         passed_over: list[tuple[int, str]] = []
@@ -520,6 +534,20 @@ class MegatronRecorder:
                 log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _hold_lease(self) -> None:
+        """Collective, once: rank 0 takes the save directory's lease (RunBusyError on every rank
+        while another job holds it)."""
+        if self.lease_ttl_s is None or self._lease_taken:
+            return
+
+        def take() -> None:
+            lease = Lease(self.run.storage, ttl_s=self.lease_ttl_s)
+            lease.acquire()
+            lease.start_heartbeat()
+            self._lease = lease
+        self._on_rank0(take)
+        self._lease_taken = True  # on every rank alike: the next call is no collective anywhere
 
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only; every rank gets its value, or its error."""

@@ -9,12 +9,14 @@ object on stdout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from .errors import (
     ResumeError,
     UsageError,
 )
+from .lease import read_holder
 from .run import MEGATRON_TRACKER, CheckResult, Run
 
 __all__ = ["cli", "main"]
@@ -333,8 +336,11 @@ def ls_command(run_url: str, as_json: bool) -> int:
     run = Run.open(run_url)
     results = [run.check(s) for s in run.step_dirs()]
     derived = _derived_counters(run, results)
+    holder = read_holder(run.storage)
     if as_json:
         _emit_json({"run": run.url, "layout": run.layout.name, "latest_hint": run.latest_hint(),
+                    "lease": None if holder is None else {**dataclasses.asdict(holder), "age_s": round(
+                        time.time() - holder.heartbeat_at, 1)},
                     "checkpoints": [
             {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
              "train_state": (r.manifest.train_state.to_dict() if r.manifest else
@@ -364,6 +370,8 @@ def ls_command(run_url: str, as_json: bool) -> int:
                        "(no resume manifest; counters derived from Megatron's state, not verified)")
         else:
             click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
+    # The writer (runbooks/two-jobs.md): the job holding the run's lease, if any.
+    click.echo(f"lease: {holder.describe(time.time()) if holder else 'none (no job is writing this run)'}")
     return EXIT_OK
 
 

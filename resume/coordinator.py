@@ -39,6 +39,7 @@ from .errors import (
     NoValidCheckpointError,
     ResumeError,
     SaveFailedError,
+    StorageAccessError,
     StorageError,
     UsageError,
 )
@@ -265,8 +266,12 @@ class Coordinator:
         faults.set_context(rank=self.rank, step=step)
         try:
             return self._save_step(step, blocking=blocking)
-        except (ResumeError, OSError):
+        except (ResumeError, OSError) as e:
             self._drop_uncommitted(step)
+            if isinstance(e, OSError) and not isinstance(e, (SaveFailedError, StorageAccessError)):
+                # The storage's own error (read-only, EIO, retries exhausted), as a failed save.
+                raise SaveFailedError(f"{self.run.storage.url(step_dirname(step))}: save failed: "
+                                      f"{type(e).__name__}: {e}") from e
             raise
 
     def _save_step(self, step: int, *, blocking: bool) -> int:
@@ -321,6 +326,7 @@ class Coordinator:
             raise SaveFailedError(f"{self.run.storage.url(step_dirname(in_flight.step))}: the background "
                                   "write ended without committing")
         self.last_committed_step = in_flight.step
+        self.save_failures = 0
 
     def _write_in_background(self, in_flight: _InFlight, step_dir: str, staged: Any, files: dict,
                              expectation: Expectation, started: float, stall: float,
@@ -374,8 +380,8 @@ class Coordinator:
 
     def _drop_uncommitted(self, step: int) -> None:
         """Rank 0, after a failed save: remove what it left unless it committed (frees a full disk)."""
-        if self.rank != 0:
-            return
+        if self.rank != 0 or (self._lease is not None and self._lease.lost is not None):
+            return  # after a takeover the step directory may be the new holder's save in progress
         try:
             if self.run.storage.isdir(step_dirname(step)) and not self.run.storage.exists(
                     self.run.manifest_path(step)):
@@ -616,6 +622,14 @@ class Coordinator:
             return False
         # Only a scheduled save runs in the background: an asker waits for the commit.
         scheduled_only = due and not (stop or requests or wants_save)
+        if scheduled_only:
+            # A background save that failed counts under the policy, before the next one starts
+            # (a requested save goes ahead regardless: save() logs the earlier failure).
+            try:
+                self.maybe_wait_for_save()
+            except (ResumeError, OSError) as e:
+                if not self._tolerate_save_failure(e):
+                    raise
         try:
             step = self.save(blocking=not scheduled_only)
         except (ResumeError, OSError) as e:
@@ -623,7 +637,8 @@ class Coordinator:
             if scheduled_only and self._tolerate_save_failure(e):
                 return False
             raise
-        self.save_failures = 0
+        if self._in_flight is None:  # committed (a background save counts when it commits)
+            self.save_failures = 0
         self._answer(requests, step=step)
         if stop:
             self.should_stop = True
@@ -655,6 +670,8 @@ class Coordinator:
 
     def _prepare_step_dir(self, step: int) -> bool:
         """Rank 0: True if ``step`` is already committed; removes a torn leftover of it."""
+        if self._lease is not None:
+            self._lease.check()  # a job that was taken over must not write or remove anything
         if step in self.run.step_dirs():
             if self.run.is_committed(step):
                 return True

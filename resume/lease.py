@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -60,27 +61,54 @@ class Holder:
 
     def describe(self, now: float) -> str:
         return (f"job {self.job_id} (host {self.host}, pid {self.pid}), heartbeat "
-                f"{max(0.0, now - self.heartbeat_at):.0f} s ago, stale after {self.ttl_s:.0f} s")
+                f"{max(0.0, now - self.heartbeat_at):.0f} s ago, stale after {self.ttl_s:g} s")
 
     def stale_because(self, now: float, *, host: str) -> str | None:
         """Why this lease may be taken over, or None while its holder is alive."""
         if now - self.heartbeat_at > self.ttl_s:
-            return f"heartbeat {now - self.heartbeat_at:.0f} s old (ttl {self.ttl_s:.0f} s)"
+            return f"heartbeat {now - self.heartbeat_at:.0f} s old (ttl {self.ttl_s:g} s)"
         if self.host == host and not _pid_alive(self.pid):
             return f"process {self.pid} on this host is gone"
         return None
 
 
 def read_holder(storage: Any) -> Holder | None:
-    """The lease's holder; None when there is none. A damaged lease file is no lease."""
+    """The lease's holder; None when there is none.
+
+    A damaged lease file is no lease. Ours are written atomically, so a reader never
+    sees a torn one; refusing every job until someone deletes a foreign or damaged
+    file would stop the run, and a live holder whose file was damaged finds it is no
+    longer its own at its next heartbeat or commit and stops before committing.
+    """
     try:
         body = json.loads(storage.read_bytes(LEASE_NAME))
-        return Holder(**{k: body[k] for k in Holder.__dataclass_fields__})
+        holder = Holder(**{k: body[k] for k in Holder.__dataclass_fields__})
+        _check_fields(holder)
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError) as e:
         log.warning("resume: %s: unreadable lease, treated as none: %s", storage.url(LEASE_NAME), e)
         return None
+    return holder
+
+
+def _check_fields(holder: Holder) -> None:
+    """TypeError/ValueError unless every field has a usable value.
+
+    A heartbeat of "soon" would fail later comparisons, one of NaN would never go
+    stale, and pid 0 or -1 would ask ``kill`` about a whole process group.
+    """
+    for name in ("job_id", "host", "token"):
+        if not isinstance(getattr(holder, name), str):
+            raise TypeError(f"{name}: expected a string, actual {getattr(holder, name)!r}")
+    if isinstance(holder.pid, bool) or not isinstance(holder.pid, int) or holder.pid < 1:
+        raise ValueError(f"pid: expected a positive integer, actual {holder.pid!r}")
+    for name in ("acquired_at", "heartbeat_at", "ttl_s"):
+        value = getattr(holder, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, actual {value!r}")
+    if holder.ttl_s <= 0:
+        raise ValueError(f"ttl_s: expected > 0, actual {holder.ttl_s!r}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -133,6 +161,7 @@ class Lease:
                                    f"{holder.describe(now)} (job {self.job_id} refused; see "
                                    "runbooks/two-jobs.md)")
         self._acquired_at = now
+        self.lost = None
         self._write(now)
         # Read back: of two jobs that took a stale lease together, the last writer holds it.
         mine = read_holder(self.storage)
@@ -142,6 +171,7 @@ class Lease:
 
     def start_heartbeat(self) -> None:
         if self._thread is None:
+            self._stop.clear()  # a lease released and acquired again beats again
             self._thread = threading.Thread(target=self._beat, name="resume-lease", daemon=True)
             self._thread.start()
 
@@ -152,8 +182,9 @@ class Lease:
             except LeaseLostError as e:
                 log.error("resume: %s", e)
                 return
-            except OSError as e:  # storage down for a moment: the next beat tries again
-                log.warning("resume: %s: heartbeat failed: %s", self.url, e)
+            except Exception as e:  # noqa: BLE001 - storage down for a moment: the next beat tries
+                # again. A heartbeat thread that died would let the lease go stale under a live job.
+                log.warning("resume: %s: heartbeat failed: %s: %s", self.url, type(e).__name__, e)
 
     def refresh(self) -> None:
         """Rewrite the heartbeat if the lease is still ours; ``LeaseLostError`` if not."""
@@ -166,7 +197,7 @@ class Lease:
         if self.lost is None:
             holder = read_holder(self.storage)
             if holder is None or holder.token != self.token:
-                self.lost = holder.describe(self.clock()) if holder else "no lease file"
+                self.lost = holder.describe(self.clock()) if holder else "no readable lease file"
         if self.lost is not None:
             raise LeaseLostError(f"{self.url}: expected this job's lease (job {self.job_id}), actual "
                                  f"{self.lost}: another job took over this run; nothing committed")

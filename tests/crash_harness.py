@@ -43,12 +43,20 @@ class Job:
     when the rank died before its restore returned."""
     final: list[dict | None]
     seconds: float
-    killed_by_fault: list[int] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list, repr=False)
+    """The end of each rank's stderr."""
+
+    def __str__(self) -> str:
+        tails = "".join(f"\n--- rank {r} stderr (end) ---\n{log}" for r, log in enumerate(self.logs))
+        return f"{self!r}{tails}"
 
 
 def _rank_main(rank: int, world: int, store: str, out: str, run_url: str, env: dict, fault: str,
                until: int, keep: int, on_save_failure: str) -> None:
     os.environ.update(env)
+    # This rank's stderr (tracebacks of the crash it saw, our log lines) into the job's folder.
+    log_fd = os.open(os.path.join(out, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log_fd, 2)
     faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hung rank says where
     torch.set_num_threads(1)
     faults.arm(fault)
@@ -126,10 +134,20 @@ def run_job(run_url: str, *, world: int = 2, fault: str = "", until: int = UNTIL
             restored.append(ABSENT if body is None else body["step"] if "step" in body else body["error"])
         job = Job(codes=[p.exitcode for p in procs], restored=restored,
                   final=[_read(out, f"final-{rank}") for rank in range(world)],
-                  seconds=time.monotonic() - started)
+                  seconds=time.monotonic() - started,
+                  logs=[_tail(os.path.join(out, f"rank-{rank}.log")) for rank in range(world)])
         if timed_out:
             raise TimeoutError(f"job on {run_url} ran past {timeout_s} s: exit codes {job.codes}")
         return job
+
+
+def _tail(path: str, size: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def committed_deep(run_url: str) -> set[int]:
@@ -205,14 +223,14 @@ def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None
                     continue  # killed before its restore returned
                 if restored != expected:  # another step, or an error instead of the newest
                     report.torn_loads += 1
-                    log(f"cycle {report.cycles}: {spec}: restored {restored}, newest complete {expected}")
+                    log(f"cycle {report.cycles}: {spec}: restored {restored}, newest complete {expected}: {job!s}")
             report.restores["fresh" if expected is None else "newest"] = \
                 report.restores.get("fresh" if expected is None else "newest", 0) + 1
             # A checkpoint may go only by retention: when `keep` newer ones are committed.
             lost = sorted(s for s in before - after if sum(a > s for a in after) < keep)
             if lost:
                 report.lost += len(lost)
-                log(f"cycle {report.cycles}: {spec}: lost {lost}")
+                log(f"cycle {report.cycles}: {spec}: lost {lost}: {job!s}")
             finished = job.codes == [0, 0] and all(f is not None for f in job.final)
             fired = not finished or _saves_failed(job)
             if fired:

@@ -275,3 +275,17 @@ def test_unknown_url_scheme_is_a_usage_error_and_a_file_is_not_a_run(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     assert_one_line_error(resume("ls", str(f)), 3, "actual not a directory")
+
+
+def test_ls_names_the_job_holding_the_run_lease(run_copy):
+    from resume.lease import Lease
+    from resume.storage import LocalStorage
+
+    proc = resume("ls", run_copy)
+    assert proc.returncode == 0 and "lease: none (no job is writing this run)" in proc.stdout
+    Lease(LocalStorage(run_copy), job_id="4242", ttl_s=120).acquire()
+    proc = resume("ls", run_copy)
+    assert proc.returncode == 0
+    assert f"lease: job 4242 (host {socket.gethostname()}, pid {os.getpid()}), heartbeat" in proc.stdout
+    body = json.loads(resume("ls", run_copy, "--json").stdout)
+    assert body["lease"]["job_id"] == "4242" and body["lease"]["ttl_s"] == 120

@@ -68,7 +68,7 @@ def test_a_crash_at_any_point_loses_nothing_and_the_restart_continues_exactly(
     # Retention runs in the save of step 6 only when it has something to delete.
     keep = 2 if point == "retention.mid_delete" else 10
     crashed = run_job(url, keep=keep, env=env, fault=f"{point}:kill rank={rank} step={CRASH_STEP}")
-    assert crashed.codes[rank] == -9, f"the fault did not fire: {crashed}"
+    assert crashed.codes[rank] == -9, f"the fault did not fire: {crashed!s}"
     assert crashed.final == [None, None], "a rank went on past the crash"
 
     committed = committed_deep(url)  # what an operator finds: complete, every checksum right
@@ -78,7 +78,7 @@ def test_a_crash_at_any_point_loses_nothing_and_the_restart_continues_exactly(
     newest = max(committed)
 
     restarted = run_job(url, keep=keep, env=env)
-    assert restarted.codes == [0, 0], restarted
+    assert restarted.codes == [0, 0], str(restarted)
     # The newest complete checkpoint, on every rank; never a torn one (the deep check above
     # passed for it), and the continuity check passed (restore returned).
     assert restarted.restored == [newest, newest]

@@ -1,0 +1,271 @@
+"""Fault injection (resume.faults) on its own, and the save-failure policy it drives in a coordinator."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import workloads
+from workloads import Setup, build, train
+
+from resume import ContinuityError, Coordinator, ResumeError, Run, SaveFailedError, faults
+from resume.faults import ENV, Fault, InjectedFault
+
+
+@pytest.fixture(autouse=True)
+def disarmed():
+    """No test leaves a fault armed, or a rank and step set, for the tests after it."""
+    faults.disarm()
+    yield
+    faults.disarm()
+    faults.set_context(rank=0, step=None)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != ENV}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, check=False,
+                          capture_output=True, text=True, timeout=60)
+
+
+# -- parse ----------------------------------------------------------------------------------
+
+
+def test_parse_reads_several_faults_with_their_options():
+    spec = " save.after_shards:kill rank=1 step=6 ;retention.mid_delete:eio hit=3;; save.mid_shards:enospc "
+    assert faults.parse(spec) == [
+        Fault("save.after_shards", "kill", rank=1, step=6),
+        Fault("retention.mid_delete", "eio", hit=3),
+        Fault("save.mid_shards", "enospc"),
+    ]
+    assert faults.parse("") == [] and faults.parse(" ; ") == []
+
+
+@pytest.mark.parametrize("spec, bad", [
+    ("save.nowhere:raise", "point: expected one of save.before_shards, .*actual 'save.nowhere'"),
+    ("save.after_shards:explode",
+     "save.after_shards: action: expected one of kill, raise, enospc, eio, actual 'explode'"),
+    ("save.after_shards", "save.after_shards: action: .*actual ''"),
+    ("save.after_shards:raise color=red",
+     "save.after_shards: expected rank=N, step=N or hit=N, actual 'color=red'"),
+    ("save.after_shards:raise rank=one", "save.after_shards: .*actual 'rank=one'"),
+    ("save.after_shards:raise step=-1", "save.after_shards: .*actual 'step=-1'"),
+    ("save.after_shards:raise step=", "save.after_shards: .*actual 'step='"),
+    ("save.after_shards:raise step=\u00b2", "save.after_shards: .*actual 'step=\u00b2'"),  # "²".isdigit()
+    ("save.after_shards:raise hit=0", "save.after_shards: hit: expected >= 1, actual 0"),
+    ("save.after_gather:raise; save.after_shards:kill rank=1 step=x", "save.after_shards: .*'step=x'"),
+])
+def test_parse_refuses_a_bad_spec_naming_the_variable_and_the_bad_part(spec, bad):
+    with pytest.raises(ValueError, match=f"^{ENV}: {bad}"):
+        faults.parse(spec)
+
+
+# -- point ----------------------------------------------------------------------------------
+
+
+def test_a_fault_fires_only_on_its_rank_and_step_and_only_at_its_hit():
+    faults.arm("save.after_shards:raise rank=1 step=4 hit=2")
+    for rank, step in ((0, 4), (1, 2), (1, None)):
+        faults.set_context(rank=rank, step=step)
+        faults.point("save.after_shards")
+        faults.point("save.after_shards")
+    faults.set_context(rank=1, step=4)
+    faults.point("save.before_shards")  # another point: not a pass of this one
+    faults.point("save.after_shards")  # first match
+    with pytest.raises(InjectedFault, match=r"save.after_shards \(rank 1, step 4\)"):
+        faults.point("save.after_shards")  # second: fires
+    faults.point("save.after_shards")  # once only
+
+
+def test_each_fault_counts_every_pass_even_one_where_another_fired():
+    faults.arm("save.after_shards:enospc hit=1; save.after_shards:eio hit=2; save.after_shards:raise hit=3")
+    fired = []
+    for step in (2, 4, 6, 8):
+        faults.set_context(rank=0, step=step)
+        try:
+            faults.point("save.after_shards")
+        except (OSError, InjectedFault) as e:
+            fired.append((step, getattr(e, "errno", None) or type(e).__name__))
+    assert fired == [(2, errno.ENOSPC), (4, errno.EIO), (6, "InjectedFault")]
+
+
+@pytest.mark.parametrize("action, kind, code", [
+    ("enospc", OSError, errno.ENOSPC),
+    ("eio", OSError, errno.EIO),
+    ("raise", InjectedFault, None),
+])
+def test_actions_raise_what_a_full_disk_a_failing_disk_or_a_bug_would(action, kind, code):
+    faults.arm(f"save.before_manifest:{action}")
+    faults.set_context(rank=0, step=8)
+    with pytest.raises(kind, match=r"injected (fault )?at save.before_manifest \(rank 0, step 8\)") as raised:
+        faults.point("save.before_manifest")
+    assert getattr(raised.value, "errno", None) == code
+    if action == "raise":
+        assert isinstance(raised.value, RuntimeError) and not isinstance(raised.value, OSError)
+
+
+def test_disarm_and_arm_replace_what_was_armed():
+    faults.arm("save.after_gather:raise")
+    faults.arm("save.after_latest:raise")
+    faults.point("save.after_gather")  # replaced: nothing fires
+    faults.disarm()
+    faults.point("save.after_latest")
+
+
+def test_kill_really_kills_the_process_with_sigkill():
+    killed = run_python("""
+        from resume import faults
+        faults.arm("save.after_gather:kill step=3")
+        faults.set_context(rank=0, step=2)
+        faults.point("save.after_gather")
+        print("passed step 2", flush=True)
+        faults.set_context(rank=0, step=3)
+        faults.point("save.after_gather")
+        print("survived")
+    """)
+    assert killed.returncode == -9, killed.stderr
+    assert killed.stdout == "passed step 2\n"
+
+
+def test_the_environment_variable_arms_a_process_that_never_called_arm():
+    out = run_python("""
+        from resume import faults
+        faults.set_context(rank=0, step=2)
+        faults.point("save.before_shards")
+        faults.set_context(rank=0, step=3)
+        try:
+            faults.point("save.before_shards")
+        except OSError as e:
+            print(e.errno)
+    """, **{ENV: "save.before_shards:eio step=3"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{errno.EIO}\n"
+
+
+def test_a_bad_environment_variable_fails_at_the_first_point_naming_it():
+    out = run_python("""
+        from resume import faults
+        faults.point("save.before_shards")
+    """, **{ENV: "save.before_shards:eio rank=first"})
+    assert out.returncode == 1
+    assert f"ValueError: {ENV}: save.before_shards: expected rank=N, step=N or hit=N, actual 'rank=first'" \
+        in out.stderr
+
+
+# -- the save-failure policy, in a coordinator (one process, a real model) -----------------
+
+
+def with_coordinator_options(monkeypatch, **options) -> None:
+    """workloads.build passes these to the Coordinator too."""
+    monkeypatch.setattr(workloads, "Coordinator", functools.partial(Coordinator, **options))
+
+
+def started(run_dir: str, **setup):
+    coord, parts = build(0, 1, run_dir, Setup(**setup))
+    coord.restore()
+    return coord, parts
+
+
+def run_entries(run_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(run_dir) if n != "lease.json")
+
+
+@pytest.mark.parametrize("where", ["save.mid_shards", "save.after_shards"])
+def test_continue_goes_on_past_a_failed_save_removes_it_and_the_next_save_commits(run_dir, caplog, where):
+    faults.arm(f"{where}:enospc step=2")
+    coord, parts = started(run_dir, every=2, on_save_failure="continue")
+    with caplog.at_level("ERROR", logger="resume"):
+        train(coord, parts, until=3)
+    assert coord.iteration == 3 and coord.last_committed_step is None and coord.save_failures == 1
+    assert "the save of step 2 failed (1 in a row, stopping at 3)" in caplog.text
+    assert run_entries(run_dir) == ["run.json"]  # nothing of step 2 left behind
+    train(coord, parts, until=5)
+    assert coord.iteration == 5 and coord.save_failures == 0
+    assert run_entries(run_dir) == ["LATEST", "run.json", "step-000000004"]
+    assert Run.open(run_dir).check(4, deep=True).committed
+    coord.close()
+
+
+def test_continue_stops_at_the_max_save_failures_th_failure_in_a_row(run_dir, monkeypatch):
+    with_coordinator_options(monkeypatch, max_save_failures=2)
+    # No step filter: a fault fires at the hit-th save that passes its point.
+    faults.arm("save.after_shards:enospc hit=1; save.after_shards:enospc hit=2")
+    coord, parts = started(run_dir, every=2, on_save_failure="continue")
+    with pytest.raises(ResumeError, match=r"No space left on device \(injected at save.after_shards "
+                                          r"\(rank 0, step 4\)\)") as stopped:
+        train(coord, parts, until=10)
+    assert isinstance(stopped.value, (SaveFailedError, OSError))
+    assert coord.iteration == 4 and coord.save_failures == 2
+    assert run_entries(run_dir) == ["run.json"]
+
+
+def test_a_save_that_succeeds_resets_the_failures_in_a_row(run_dir, monkeypatch):
+    with_coordinator_options(monkeypatch, max_save_failures=2)
+    faults.arm("save.after_shards:enospc hit=1; save.after_shards:eio hit=3; save.after_shards:eio hit=5")
+    coord, parts = started(run_dir, every=2, on_save_failure="continue")
+    train(coord, parts, until=11)  # saves at 2 (fails), 4, 6 (fails), 8, 10 (fails)
+    assert coord.iteration == 11 and coord.save_failures == 1
+    assert Run.open(run_dir).committed_steps() == [4, 8]
+
+
+def test_raise_stops_at_the_first_failed_save(run_dir):
+    faults.arm("save.mid_shards:enospc step=2")
+    coord, parts = started(run_dir, every=2)  # on_save_failure="raise" is the default
+    with pytest.raises(SaveFailedError, match="disk full"):
+        train(coord, parts, until=10)
+    assert coord.iteration == 2 and coord.save_failures == 0
+    assert run_entries(run_dir) == ["run.json"]
+
+
+def test_a_requested_save_that_fails_always_raises(run_dir):
+    faults.arm("save.after_shards:eio step=3")
+    coord, parts = started(run_dir, every=4, on_save_failure="continue")
+    train(coord, parts, until=2)
+    coord.request_save()
+    with pytest.raises(ResumeError, match="Input/output error"):
+        train(coord, parts, until=10)
+    assert coord.iteration == 3
+
+
+def continuity_error(*args, **kwargs):
+    raise ContinuityError("optimizer[0].moments", "saved", "changed", "a bug in the training script")
+
+
+def adapter_bug(*args, **kwargs):
+    raise KeyError("a bug in the adapter")
+
+
+@pytest.mark.parametrize("fail, kind", [(continuity_error, ContinuityError), (adapter_bug, ResumeError)],
+                         ids=["continuity", "bug"])
+def test_continue_never_tolerates_a_failure_that_is_not_storage_trouble(run_dir, fail, kind):
+    coord, parts = started(run_dir, every=2, on_save_failure="continue")
+    coord.adapter.save_shards = fail
+    with pytest.raises(kind) as raised:
+        train(coord, parts, until=10)
+    assert not isinstance(raised.value, (SaveFailedError, OSError))
+    assert coord.iteration == 2 and coord.save_failures == 0
+    assert run_entries(run_dir) == ["run.json"]
+
+
+def test_raise_stops_after_a_failed_background_save(run_dir):
+    faults.arm("save.after_shards:enospc step=2")
+    coord, parts = started(run_dir, every=2, async_save=True)
+    assert coord.async_save
+    with pytest.raises((SaveFailedError, OSError)):
+        train(coord, parts, until=6)
+    assert coord.iteration <= 4
+
+
+def test_continue_counts_failed_background_saves_in_a_row(run_dir, monkeypatch):
+    with_coordinator_options(monkeypatch, max_save_failures=2)
+    faults.arm("save.after_shards:enospc hit=1; save.after_shards:enospc hit=2")
+    coord, parts = started(run_dir, every=2, async_save=True, on_save_failure="continue")
+    # The save of step 2 fails in the background, is counted at 4; that of 4 at 6: the 2nd in a row.
+    with pytest.raises((SaveFailedError, OSError)):
+        train(coord, parts, until=10)
+    assert coord.iteration == 6 and coord.save_failures == 2
