@@ -38,6 +38,7 @@ and call ``install()`` before ``pretrain(...)``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import logging
 import time
@@ -546,6 +547,7 @@ class MegatronRecorder:
             lease.acquire()
             lease.start_heartbeat()
             self._lease = lease
+            atexit.register(lease.release)  # Megatron has no close(): free the run at exit
         self._on_rank0(take)
         self._lease_taken = True  # on every rank alike: the next call is no collective anywhere
 

@@ -7,7 +7,7 @@ random rank, with a random action (SIGKILL mostly; an exception, ENOSPC or EIO),
 trains on and saves every 2 iterations on 2 gloo ranks. After every job the restore must have
 loaded the newest checkpoint that passed the deep check before it, and no checkpoint may be
 lost except by retention; each run goes on until a job reaches the end, whose state must equal
-an uninterrupted run's. ``--s3`` puts every other run on a loopback S3-compatible server (nanio)
+an uninterrupted run's. ``--s3`` puts every third run on a loopback S3-compatible server (nanio)
 behind a proxy failing 5% of requests. Exit 0 when nothing was lost, torn or different.
 """
 
@@ -27,7 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--s3", action="store_true", help="every other run on a faulty loopback S3")
+    parser.add_argument("--s3", action="store_true", help="every third run on a faulty loopback S3")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temporary directory)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="resume-soak-", dir=args.dir) as root:

@@ -673,10 +673,14 @@ class Coordinator:
         if self._lease is not None:
             self._lease.check()  # a job that was taken over must not write or remove anything
         if step in self.run.step_dirs():
-            if self.run.is_committed(step):
+            result = self.run.check(step)
+            if result.committed:
                 return True
-            log.warning("resume: removing uncommitted leftover %s", step_dirname(step))
-            self.run.delete_step(step)
+            if result.has_manifest:  # a damaged checkpoint, not a leftover: moved aside, never deleted
+                self.run.quarantine_step(step, result.reason)
+            else:
+                log.warning("resume: removing uncommitted leftover %s", step_dirname(step))
+                self.run.delete_step(step)
         self.run.storage.makedirs(step_dirname(step))
         return False
 

@@ -192,7 +192,7 @@ def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None
          s3: tuple[str, dict] | None = None, log=print) -> SoakReport:
     """Save/kill/restore cycles at random points, ranks, actions and policies until ``cycles`` jobs
     ran; each campaign (a fresh run) goes on until a job reaches the end, whose state must equal
-    the uninterrupted run's. ``s3``: (bucket URL prefix, environment) to put every other campaign
+    the uninterrupted run's. ``s3``: (bucket URL prefix, environment) to put every third campaign
     on an object store (behind a fault proxy, for storage faults)."""
     import random
 
@@ -203,17 +203,19 @@ def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None
         reference = run_job(os.path.join(root, "reference")).final
     while report.cycles < cycles:
         report.campaigns += 1
-        on_s3 = s3 is not None and report.campaigns % 2 == 0
+        on_s3 = s3 is not None and report.campaigns % 3 == 0
         url = f"{s3[0]}/soak-{seed}-{report.campaigns}" if on_s3 else os.path.join(root, f"c{report.campaigns}")
         env = s3[1] if on_s3 else {}
         keep = rng.choice((2, 3))
-        while True:
+        while report.cycles < 4 * cycles:  # a run that never finishes (a bug) ends the soak too
             before = committed_deep(url) if _exists(url) else set()
             point = rng.choice(faults.POINTS)
             rank = 0 if point in faults.RANK0_POINTS else rng.randrange(2)
             action = rng.choice(ACTIONS_DRAWN)
             policy = rng.choice(("raise", "continue"))
-            spec = f"{point}:{action} rank={rank} hit={rng.randint(1, 2)}"
+            # At one of the saves still ahead of this run (each job gets further than the last).
+            ahead = [step for step in range(EVERY, UNTIL + 1, EVERY) if step > max(before, default=0)]
+            spec = f"{point}:{action} rank={rank} step={rng.choice(ahead)}" if ahead else ""
             job = run_job(url, fault=spec, keep=keep, env=env, on_save_failure=policy)
             report.cycles += 1
             after = committed_deep(url)

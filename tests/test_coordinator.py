@@ -72,6 +72,23 @@ def test_uncommitted_leftover_of_the_same_step_is_replaced(run_dir):
     assert Run.open(run_dir).committed_steps() == [3, 6]
 
 
+def test_a_damaged_checkpoint_of_the_step_being_saved_is_moved_aside_not_deleted(run_dir):
+    coord = trained(run_dir, until=6, every=3)
+    step6 = os.path.join(run_dir, "step-000000006")
+    shard = next(os.path.join(step6, n) for n in sorted(os.listdir(step6)) if n.endswith(".distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(10)  # damaged, with its manifest: evidence an operator may want
+    coord.last_committed_step = None  # as after a restart that passed over it and reached 6 again
+    coord.save()
+    run = Run.open(run_dir)
+    assert run.committed_steps() == [3, 6]
+    moved = [n for n in os.listdir(run_dir) if n.startswith("quarantine-step-000000006-")]
+    assert len(moved) == 1
+    with open(os.path.join(run_dir, moved[0], "QUARANTINED.txt")) as f:
+        reason = f.read()
+    assert "size: expected" in reason and ".distcp" in reason
+
+
 def test_update_reported_applied_without_an_optimizer_step_is_caught(run_dir):
     coord, _ = build(0, 1, run_dir, Setup())
     coord.restore()

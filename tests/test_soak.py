@@ -1,4 +1,4 @@
-"""Soak: randomised save/kill/restore cycles, half of them on an S3-compatible server behind a
+"""Soak: randomised save/kill/restore cycles, a third of them on an S3-compatible server behind a
 proxy that fails 5% of requests (503 SlowDown, connection resets).
 
 Each job arms one fault at a random point of the commit protocol, on a random rank, with a
@@ -38,6 +38,7 @@ def faulty_s3(tmp_path_factory):
     server.stop()
 
 
+@pytest.mark.timeout(1200)  # about 5 minutes on a 2-core machine; the default is 300 s per test
 def test_fifty_random_crash_cycles_lose_nothing_and_end_where_an_uninterrupted_run_ends(
         tmp_path, faulty_s3):
     lines = []
