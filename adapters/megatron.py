@@ -247,6 +247,8 @@ class MegatronRecorder:
         self._hold_lease()
 
         def drop() -> None:
+            if self._lease is not None:
+                self._lease.check()  # a job that was taken over must not write or remove anything
             if self.run.storage.exists(path):
                 log.warning("resume: %s is being rewritten: its manifest is withdrawn first",
                             MEGATRON_LAYOUT.dirname(iteration))

@@ -352,10 +352,12 @@ class Coordinator:
                                  state=state)
                     outcome = ("ok",)
                 except Exception as e:  # noqa: BLE001 - every rank must hear of it
-                    outcome = ("error", f"{type(e).__name__}: {e}")
+                    outcome = ("error", type(e).__name__, str(e))
             outcome = comm.broadcast_object(outcome, src=0)
             if outcome[0] != "ok":
-                raise SaveFailedError(f"{self.run.storage.url(step_dir)}: commit failed: {outcome[1]}")
+                # A lost lease stays what it is (never tolerated); anything else failed the save.
+                cls = LeaseLostError if outcome[1] == "LeaseLostError" else SaveFailedError
+                raise cls(f"{self.run.storage.url(step_dir)}: commit failed: {outcome[1]}: {outcome[2]}")
             in_flight.ok = True
         except BaseException as e:  # noqa: BLE001 - raised by the next wait, on this rank
             self._drop_uncommitted(step)
@@ -380,15 +382,22 @@ class Coordinator:
 
     def _drop_uncommitted(self, step: int) -> None:
         """Rank 0, after a failed save: remove what it left unless it committed (frees a full disk)."""
-        if self.rank != 0 or (self._lease is not None and self._lease.lost is not None):
-            return  # after a takeover the step directory may be the new holder's save in progress
+        if self.rank != 0:
+            return
         try:
-            if self.run.storage.isdir(step_dirname(step)) and not self.run.storage.exists(
-                    self.run.manifest_path(step)):
-                self.run.delete_step(step)
-                log.warning("resume: removed %s, left uncommitted by the failed save", step_dirname(step))
-        except OSError as e:  # discovery passes over it; the next save of that step replaces it
-            log.warning("resume: cannot remove the uncommitted %s: %s", step_dirname(step), e)
+            if self._lease is not None:
+                self._lease.check()  # after a takeover it may be the new holder's save in progress
+            if not self.run.storage.isdir(step_dirname(step)):
+                return
+            try:
+                self.run.storage.size(self.run.manifest_path(step))
+                return  # committed after all (the failure came later): never removed here
+            except FileNotFoundError:
+                pass
+            self.run.delete_step(step)
+            log.warning("resume: removed %s, left uncommitted by the failed save", step_dirname(step))
+        except (OSError, LeaseLostError) as e:  # left: discovery passes over it, retention sweeps it
+            log.warning("resume: %s left as it is: %s", step_dirname(step), e)
 
     def _take_lease(self, ttl_s: float) -> None:
         lease = Lease(self.run.storage, ttl_s=ttl_s)
@@ -678,6 +687,9 @@ class Coordinator:
                 return True
             if result.has_manifest:  # a damaged checkpoint, not a leftover: moved aside, never deleted
                 self.run.quarantine_step(step, result.reason)
+                committed = self.run.committed_steps()
+                if committed:  # the hint must not name what was moved aside
+                    self.run.point_latest(committed[-1])
             else:
                 log.warning("resume: removing uncommitted leftover %s", step_dirname(step))
                 self.run.delete_step(step)

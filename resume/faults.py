@@ -22,7 +22,9 @@ absent), during the save of step S (any step) and the N-th time it matches
 (the first), do ACTION: ``kill`` (SIGKILL this process: a dead node), ``raise``
 (:class:`InjectedFault`), ``enospc`` or ``eio`` (the ``OSError`` a full or
 failing disk raises). Several faults are separated by ``;``. Unarmed, a point
-costs one comparison.
+costs one comparison. At ``save.before_shards`` and ``save.after_gather`` (the
+edge of a collective) an error other than ``kill`` is armed on every rank
+(no ``rank=``); rank-0 points take no other rank.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ POINTS = (
 RANK0_POINTS = frozenset({"save.before_manifest", "save.after_manifest", "save.after_latest",
                           "retention.mid_delete"})
 ACTIONS = ("kill", "raise", "enospc", "eio")
+COLLECTIVE_EDGE = frozenset({"save.before_shards", "save.after_gather"})
+"""Points right before a collective: an error there must happen on every rank or none."""
 
 
 class InjectedFault(RuntimeError):
@@ -95,6 +99,12 @@ def parse(spec: str) -> list[Fault]:
             setattr(fault, key, int(value))
         if fault.hit < 1:
             raise ValueError(f"{ENV}: {name}: hit: expected >= 1, actual {fault.hit}")
+        if fault.rank is not None and fault.action != "kill" and name in COLLECTIVE_EDGE:
+            # One rank raising there leaves the others inside a collective it never enters.
+            raise ValueError(f"{ENV}: {name}: expected kill with rank=, or {fault.action} on every "
+                             f"rank (no rank=), actual {fault.action} on rank {fault.rank}")
+        if fault.rank not in (None, 0) and name in RANK0_POINTS:
+            raise ValueError(f"{ENV}: {name}: rank: expected 0 (only rank 0 passes it), actual {fault.rank}")
         faults.append(fault)
     return faults
 

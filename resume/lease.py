@@ -36,7 +36,7 @@ from typing import Any
 
 from .errors import LeaseLostError, RunBusyError
 
-__all__ = ["LEASE_NAME", "Holder", "Lease", "job_identity", "read_holder"]
+__all__ = ["LEASE_NAME", "Holder", "Lease", "job_identity", "pid_namespace", "read_holder"]
 
 log = logging.getLogger("resume")
 
@@ -44,9 +44,17 @@ LEASE_NAME = "lease.json"
 
 
 def job_identity() -> str:
-    """This job: RESUME_JOB_ID, else SLURM_JOB_ID (kept across a requeue), else host:pid."""
+    """This job: RESUME_JOB_ID, else SLURM_JOB_ID (kept across a requeue), else torchrun's
+    TORCHELASTIC_RUN_ID (kept across its restarts), else host:pid."""
     return (os.environ.get("RESUME_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-            or f"{socket.gethostname()}:{os.getpid()}")
+            or os.environ.get("TORCHELASTIC_RUN_ID") or f"{socket.gethostname()}:{os.getpid()}")
+
+
+def pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 @dataclass
@@ -58,6 +66,9 @@ class Holder:
     acquired_at: float
     heartbeat_at: float
     ttl_s: float
+    pid_namespace: int | None = None
+    """The holder's pid namespace (inode of /proc/self/ns/pid): a pid means the same
+    process only in the same namespace (containers on one host share its name)."""
 
     def describe(self, now: float) -> str:
         return (f"job {self.job_id} (host {self.host}, pid {self.pid}), heartbeat "
@@ -67,7 +78,7 @@ class Holder:
         """Why this lease may be taken over, or None while its holder is alive."""
         if now - self.heartbeat_at > self.ttl_s:
             return f"heartbeat {now - self.heartbeat_at:.0f} s old (ttl {self.ttl_s:g} s)"
-        if self.host == host and not _pid_alive(self.pid):
+        if self.host == host and self.pid_namespace in (None, pid_namespace()) and not _pid_alive(self.pid):
             return f"process {self.pid} on this host is gone"
         return None
 
@@ -82,7 +93,8 @@ def read_holder(storage: Any) -> Holder | None:
     """
     try:
         body = json.loads(storage.read_bytes(LEASE_NAME))
-        holder = Holder(**{k: body[k] for k in Holder.__dataclass_fields__})
+        holder = Holder(**{k: body[k] for k in Holder.__dataclass_fields__ if k != "pid_namespace"},
+                        pid_namespace=body.get("pid_namespace"))
         _check_fields(holder)
     except FileNotFoundError:
         return None
@@ -107,6 +119,9 @@ def _check_fields(holder: Holder) -> None:
         value = getattr(holder, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"{name}: expected a finite number, actual {value!r}")
+    if holder.pid_namespace is not None and (isinstance(holder.pid_namespace, bool)
+                                             or not isinstance(holder.pid_namespace, int)):
+        raise ValueError(f"pid_namespace: expected an integer, actual {holder.pid_namespace!r}")
     if holder.ttl_s <= 0:
         raise ValueError(f"ttl_s: expected > 0, actual {holder.ttl_s!r}")
 
@@ -215,5 +230,6 @@ class Lease:
 
     def _write(self, now: float) -> None:
         holder = Holder(job_id=self.job_id, host=self.host, pid=os.getpid(), token=self.token,
-                        acquired_at=self._acquired_at, heartbeat_at=now, ttl_s=self.ttl_s)
+                        acquired_at=self._acquired_at, heartbeat_at=now, ttl_s=self.ttl_s,
+                        pid_namespace=pid_namespace())
         self.storage.write_bytes_atomic(LEASE_NAME, (json.dumps(asdict(holder)) + "\n").encode())

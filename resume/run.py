@@ -409,6 +409,8 @@ class Run:
         A name that is not ``step-…`` is ignored by discovery and retention.
         """
         name = f"quarantine-{self.dirname(step)}-{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%S}"
+        if self.storage.exists(name):  # moved aside twice within a second: never merged
+            name += f"-{_dt.datetime.now(_dt.UTC):%f}"
         self.storage.rename(self.dirname(step), name)
         log.warning("resume: moved broken %s to %s: %s", self.dirname(step), name, reason)
         try:

@@ -262,7 +262,17 @@ class FsspecStorage:
             self._call(self.fs.rm, objects)
 
     def rename(self, src: str, dst: str) -> None:
-        self._call(self.fs.mv, self.url(src), self.url(dst), recursive=True)
+        """Object stores have no rename: every object under ``src`` is copied, then removed
+        (named one by one, as in ``delete``). FileNotFoundError when nothing is there."""
+        source, target = self.url(src), self.url(dst)
+        self.fs.invalidate_cache(source)
+        objects = self._call(self.fs.find, source)
+        if not objects:
+            raise FileNotFoundError(source)
+        prefix = self.fs._strip_protocol(source)
+        for obj in objects:
+            self._call(self.fs.copy, obj, target + obj[len(prefix):])
+        self.delete(src)
 
     def sync_dir(self, path: str) -> None:
         pass  # an object store's PUT is durable when it returns

@@ -215,7 +215,8 @@ def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None
             policy = rng.choice(("raise", "continue"))
             # At one of the saves still ahead of this run (each job gets further than the last).
             ahead = [step for step in range(EVERY, UNTIL + 1, EVERY) if step > max(before, default=0)]
-            spec = f"{point}:{action} rank={rank} step={rng.choice(ahead)}" if ahead else ""
+            on = "" if action != "kill" and point in faults.COLLECTIVE_EDGE else f" rank={rank}"
+            spec = f"{point}:{action}{on} step={rng.choice(ahead)}" if ahead else ""
             job = run_job(url, fault=spec, keep=keep, env=env, on_save_failure=policy)
             report.cycles += 1
             after = committed_deep(url)

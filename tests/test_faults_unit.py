@@ -59,6 +59,11 @@ def test_parse_reads_several_faults_with_their_options():
     ("save.after_shards:raise step=\u00b2", "save.after_shards: .*actual 'step=\u00b2'"),  # "²".isdigit()
     ("save.after_shards:raise hit=0", "save.after_shards: hit: expected >= 1, actual 0"),
     ("save.after_gather:raise; save.after_shards:kill rank=1 step=x", "save.after_shards: .*'step=x'"),
+    # One rank raising at the edge of a collective would leave the others inside it.
+    ("save.before_shards:raise rank=1",
+     r"save.before_shards: expected kill with rank=, or raise on every rank \(no rank=\), actual raise on rank 1"),
+    ("save.after_gather:enospc rank=0", "save.after_gather: expected kill with rank=.*actual enospc on rank 0"),
+    ("save.before_manifest:kill rank=1", "save.before_manifest: rank: expected 0 .*actual 1"),
 ])
 def test_parse_refuses_a_bad_spec_naming_the_variable_and_the_bad_part(spec, bad):
     with pytest.raises(ValueError, match=f"^{ENV}: {bad}"):

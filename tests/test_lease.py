@@ -72,7 +72,8 @@ def test_acquire_writes_the_holder_and_its_heartbeat(storage, clock, tmp_path):
     with open(tmp_path / LEASE_NAME) as f:
         body = json.load(f)
     assert body == {"job_id": "4242", "host": HOST, "pid": os.getpid(), "token": lease.token,
-                    "acquired_at": clock.now, "heartbeat_at": clock.now, "ttl_s": TTL}
+                    "acquired_at": clock.now, "heartbeat_at": clock.now, "ttl_s": TTL,
+                    "pid_namespace": os.stat("/proc/self/ns/pid").st_ino}
     lease.check()  # ours: no error
 
 
@@ -141,6 +142,28 @@ def test_a_holder_on_this_host_whose_process_is_gone_is_stale(storage, clock, ca
         lease_for(storage, clock, "5151").acquire()
     assert read_holder(storage).job_id == "5151"
     assert f"process {pid} on this host is gone" in caplog.text
+
+
+def test_a_dead_pid_in_another_pid_namespace_of_this_host_says_nothing(storage, clock):
+    """A container sharing this host's name: its pids are not ours to look up."""
+    write_holder(storage, job_id="4242", pid=dead_pid(), heartbeat_at=clock.now,
+                 pid_namespace=os.stat("/proc/self/ns/pid").st_ino + 1)
+    with pytest.raises(RunBusyError, match="job 4242"):
+        lease_for(storage, clock, "5151").acquire()
+
+
+def test_the_job_id_survives_a_requeue_or_a_torchrun_restart(monkeypatch):
+    from resume.lease import job_identity
+
+    for name in ("RESUME_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert job_identity() == f"{socket.gethostname()}:{os.getpid()}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    assert job_identity() == "elastic-7"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert job_identity() == "4242"
+    monkeypatch.setenv("RESUME_JOB_ID", "mine")
+    assert job_identity() == "mine"
 
 
 def test_a_dead_pid_on_another_host_says_nothing_and_the_lease_holds(storage, clock):

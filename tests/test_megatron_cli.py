@@ -31,7 +31,8 @@ def test_ls_reports_the_three_counters_of_each_megatron_checkpoint(save):
                 for c in body["checkpoints"]}
     assert counters == {4: ("committed", 4, 16, 3, 1), 6: ("committed", 6, 24, 4, 2)}
     text = resume("ls", save).stdout
-    assert "committed" in text and text.count("\n") == 3
+    assert "committed" in text and text.count("\n") == 4  # header, two checkpoints, the lease line
+    assert text.splitlines()[-1].startswith("lease: ")
 
 
 def test_verify_deep_passes_and_inspect_shows_counters_and_next_batch(save):

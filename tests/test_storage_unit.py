@@ -267,6 +267,22 @@ def test_fsspec_raises_storage_error_after_exhausting_attempts():
     assert err.exit_code == 1
 
 
+def test_fsspec_rename_moves_every_object_under_a_prefix_and_a_single_object():
+    storage, fs, _ = flaky_storage({"find": (1, OSError(5, "blip"))})
+    for rel, data in (("step-000000002/a", b"1"), ("step-000000002/sub/b", b"2"), ("one", b"3"),
+                      ("step-0000000020/c", b"4")):
+        fs._fs.pipe_file(storage.url(rel), data)
+    storage.rename("step-000000002", "quarantine-step-000000002-x")
+    storage.rename("one", "two")
+    assert storage.read_bytes("quarantine-step-000000002-x/a") == b"1"
+    assert storage.read_bytes("quarantine-step-000000002-x/sub/b") == b"2"
+    assert storage.read_bytes("two") == b"3"
+    assert not storage.exists("step-000000002/a") and not storage.exists("one")
+    assert storage.read_bytes("step-0000000020/c") == b"4"  # a longer name with the same start
+    with pytest.raises(FileNotFoundError):
+        storage.rename("missing", "anywhere")
+
+
 def test_fsspec_delete_retries_its_listing_and_names_objects_only():
     storage, fs, sleeps = flaky_storage({"find": (1, OSError(5, "blip"))})
     fs._fs.pipe_file(storage.url("d/f"), b"1")
