@@ -46,7 +46,7 @@ from .errors import (
 from .lease import Lease
 from .manifest import FileEntry, Manifest
 from .rng import RngRegistry
-from .run import KeepPolicy, Run, step_dirname
+from .run import CheckResult, KeepPolicy, Run, step_dirname
 from .state import TrainState
 from .storage import join, open_storage
 
@@ -471,6 +471,7 @@ class Coordinator:
         out = []
         for step in reversed(self.run.step_dirs()):
             result = self.run.check(step)
+            _refuse_unreadable(result, self.run)
             out.append((step, result.manifest.to_json() if result.committed else None, result.reason,
                         result.has_manifest))
         return out
@@ -683,6 +684,7 @@ class Coordinator:
             self._lease.check()  # a job that was taken over must not write or remove anything
         if step in self.run.step_dirs():
             result = self.run.check(step)
+            _refuse_unreadable(result, self.run)
             if result.committed:
                 return True
             if result.has_manifest:  # a damaged checkpoint, not a leftover: moved aside, never deleted
@@ -809,6 +811,14 @@ class Coordinator:
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next iteration boundary.
         self._signal = signum
+
+
+def _refuse_unreadable(result: CheckResult, run: Run) -> None:
+    """Storage that refuses a read says nothing about a checkpoint: stop (StorageError) rather
+    than pass over a good one or move it aside."""
+    if result.unreadable:
+        raise StorageError(f"{run.storage.url(run.dirname(result.step))}: expected readable storage, "
+                           f"actual {result.reason} (nothing passed over or moved; try again)")
 
 
 def _rebuild_error(name: str, message: str) -> ResumeError:

@@ -103,6 +103,10 @@ def detect_layout(storage: Storage) -> RunLayout:
     return RESUME_LAYOUT
 
 
+class _Unreadable(Exception):
+    """A listing storage refused (not damage)."""
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
@@ -119,6 +123,9 @@ class CheckResult:
     """False when the step directory has no manifest at all: a save that never
     finished. Not committed, but not damage either; a manifest that exists and
     is invalid, or lists files that are wrong, is damage."""
+    unreadable: bool = False
+    """True when storage refused a read (EIO, EACCES, an outage): that says nothing about
+    the checkpoint, so restore must not pass over it or move it aside for that."""
 
     @property
     def committed(self) -> bool:
@@ -244,6 +251,8 @@ class Run:
         except (OSError, ValueError) as e:  # not a directory, unreadable, storage down
             if not self.storage.isdir(self.dirname(step)):
                 result.has_manifest = False  # a stray file with a step's name: not a checkpoint
+            else:
+                result.unreadable = isinstance(e, OSError)
             result.problems.append(f"{self.storage.url(self.dirname(step))}: expected a readable "
                                    f"step directory, actual {type(e).__name__}: {e}")
             return result
@@ -257,6 +266,7 @@ class Run:
                 result.problems.append(f"{source}: expected a file of {entry.size} bytes, actual missing")
                 continue
             except (OSError, ValueError) as e:
+                result.unreadable = result.unreadable or isinstance(e, OSError)
                 result.problems.append(f"{source}: expected a readable file, actual "
                                        f"{type(e).__name__}: {e}")
                 continue
@@ -265,7 +275,11 @@ class Run:
                 continue
             if deep:
                 result.problems.extend(self.verify_checksums(result.manifest, [rel], progress))
-        result.problems.extend(self._unlisted_entries(result.manifest))
+        try:
+            result.problems.extend(self._unlisted_entries(result.manifest))
+        except _Unreadable as e:
+            result.unreadable = True
+            result.problems.append(str(e))
         return result
 
     def _counter_problems(self, manifest: Manifest) -> list[str]:
@@ -290,7 +304,7 @@ class Run:
             names = self.storage.listdir(d)
         except (OSError, ValueError) as e:
             problem = f"{self.storage.url(d)}: expected a listable step directory, actual {type(e).__name__}"
-            return [f"{problem}: {e}"]
+            raise _Unreadable(f"{problem}: {e}") from e
         # d itself: an object store's "directory marker" object lists as an entry of its own.
         listed = {rel.split("/", 1)[0] for rel in manifest.files} | {self.layout.manifest_name, d}
         problems = []

@@ -89,6 +89,30 @@ def test_a_damaged_checkpoint_of_the_step_being_saved_is_moved_aside_not_deleted
     assert "size: expected" in reason and ".distcp" in reason
 
 
+def test_storage_that_refuses_a_read_stops_the_restore_and_moves_nothing(run_dir, monkeypatch):
+    import errno
+
+    from resume.errors import StorageError
+    from resume.storage import LocalStorage
+
+    trained(run_dir, until=6, every=3)
+    size = LocalStorage.size
+
+    def eio_on_step6(self, path):
+        if path.startswith("step-000000006/"):
+            raise OSError(errno.EIO, "Input/output error")
+        return size(self, path)
+    monkeypatch.setattr(LocalStorage, "size", eio_on_step6)
+    coord, _ = build(0, 1, run_dir, Setup(every=3))
+    with pytest.raises(StorageError, match=r"step-000000006: expected readable storage, actual .*"
+                       r"Input/output error \(nothing passed over or moved; try again\)"):
+        coord.restore()
+    coord.close()
+    monkeypatch.undo()
+    assert sorted(os.listdir(run_dir)) == ["LATEST", "run.json", "step-000000003", "step-000000006"]
+    assert Run.open(run_dir).committed_steps() == [3, 6]
+
+
 def test_update_reported_applied_without_an_optimizer_step_is_caught(run_dir):
     coord, _ = build(0, 1, run_dir, Setup())
     coord.restore()
