@@ -84,6 +84,14 @@ class S3Server:
         os.makedirs(os.path.join(self.data_dir, name), exist_ok=True)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client dropping a connection the proxy reset on purpose is not news."""
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     """Forwards HTTP to the server; a share ``rate`` of requests gets a 503 SlowDown or a
     connection reset instead. ``restart_when(predicate)`` restarts the server once, in the
@@ -164,7 +172,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
