@@ -545,11 +545,8 @@ class MegatronRecorder:
             return
 
         def take() -> None:
-            lease = Lease(self.run.storage, ttl_s=self.lease_ttl_s)
-            lease.acquire()
-            lease.start_heartbeat()
-            self._lease = lease
-            atexit.register(lease.release)  # Megatron has no close(): free the run at exit
+            self._lease = Lease.take(self.run.storage, ttl_s=self.lease_ttl_s)
+            atexit.register(self._lease.release)  # Megatron has no close(): free the run at exit
         self._on_rank0(take)
         self._lease_taken = True  # on every rank alike: the next call is no collective anywhere
 

@@ -400,10 +400,7 @@ class Coordinator:
             log.warning("resume: %s left as it is: %s", step_dirname(step), e)
 
     def _take_lease(self, ttl_s: float) -> None:
-        lease = Lease(self.run.storage, ttl_s=ttl_s)
-        lease.acquire()
-        lease.start_heartbeat()
-        self._lease = lease
+        self._lease = Lease.take(self.run.storage, ttl_s=ttl_s)
 
     # -- restore -------------------------------------------------------------------------
 

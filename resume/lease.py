@@ -184,6 +184,14 @@ class Lease:
             other = mine.describe(self.clock()) if mine else "nobody"
             raise RunBusyError(f"{self.url}: expected to hold the lease after writing it, actual {other}")
 
+    @classmethod
+    def take(cls, storage: Any, *, ttl_s: float) -> Lease:
+        """Acquire a lease and keep it beating (rank 0 of a writing job)."""
+        lease = cls(storage, ttl_s=ttl_s)
+        lease.acquire()
+        lease.start_heartbeat()
+        return lease
+
     def start_heartbeat(self) -> None:
         if self._thread is None:
             self._stop.clear()  # a lease released and acquired again beats again

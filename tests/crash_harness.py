@@ -227,8 +227,8 @@ def soak(cycles: int, *, root: str, seed: int = 0, reference: list | None = None
                 if restored != expected:  # another step, or an error instead of the newest
                     report.torn_loads += 1
                     log(f"cycle {report.cycles}: {spec}: restored {restored}, newest complete {expected}: {job!s}")
-            report.restores["fresh" if expected is None else "newest"] = \
-                report.restores.get("fresh" if expected is None else "newest", 0) + 1
+            kind = "fresh" if expected is None else "newest"
+            report.restores[kind] = report.restores.get(kind, 0) + 1
             # A checkpoint may go only by retention: when `keep` newer ones are committed.
             lost = sorted(s for s in before - after if sum(a > s for a in after) < keep)
             if lost:

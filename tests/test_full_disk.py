@@ -75,6 +75,15 @@ def train(coord: Coordinator, model: torch.nn.Module, opt: torch.optim.Optimizer
             return
 
 
+def committed_at_2(where: str, **options) -> tuple[str, Coordinator, torch.nn.Module, torch.optim.Optimizer]:
+    """A run on ``where`` whose first checkpoint (step 2) is committed."""
+    run = os.path.join(where, "run")
+    coord, model, opt = make_coordinator(run, **options)
+    coord.restore()
+    train(coord, model, opt, until=2)
+    return run, coord, model, opt
+
+
 def used_bytes(path: str) -> int:
     st = os.statvfs(path)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -82,10 +91,7 @@ def used_bytes(path: str) -> int:
 
 def test_a_file_system_that_fills_keeps_the_previous_checkpoint_and_training_goes_on(small_fs):
     where, remount = small_fs
-    run = os.path.join(where, "run")
-    coord, model, opt = make_coordinator(run, on_save_failure="continue")
-    coord.restore()
-    train(coord, model, opt, until=2)
+    run, coord, model, opt = committed_at_2(where, on_save_failure="continue")
     assert coord.last_committed_step == 2
     used_after_one = used_bytes(where)
 
@@ -112,10 +118,7 @@ def test_a_file_system_that_fills_keeps_the_previous_checkpoint_and_training_goe
 
 def test_a_full_file_system_stops_the_job_by_default_saying_how_many_bytes(small_fs):
     where, _ = small_fs
-    run = os.path.join(where, "run")
-    coord, model, opt = make_coordinator(run)
-    coord.restore()
-    train(coord, model, opt, until=2)
+    run, coord, model, opt = committed_at_2(where)
     with pytest.raises(SaveFailedError, match=r"disk full \(or quota\) on ranks \[0\]: expected room for "
                        r"each rank's shards, about \d+ bytes for this one, actual no space left, \d+ bytes "
                        r"free now"):
@@ -128,10 +131,7 @@ def test_a_full_file_system_stops_the_job_by_default_saying_how_many_bytes(small
 
 def test_read_only_storage_fails_the_save_clearly_and_the_next_save_after_a_remount_commits(small_fs):
     where, remount = small_fs
-    run = os.path.join(where, "run")
-    coord, model, opt = make_coordinator(run, on_save_failure="continue", max_save_failures=3)
-    coord.restore()
-    train(coord, model, opt, until=2)
+    run, coord, model, opt = committed_at_2(where, on_save_failure="continue", max_save_failures=3)
     remount("ro")
     try:
         train(coord, model, opt, until=4)
@@ -147,10 +147,7 @@ def test_read_only_storage_fails_the_save_clearly_and_the_next_save_after_a_remo
 
 def test_read_only_storage_with_the_default_policy_stops_naming_the_file_system_error(small_fs):
     where, remount = small_fs
-    run = os.path.join(where, "run")
-    coord, model, opt = make_coordinator(run)
-    coord.restore()
-    train(coord, model, opt, until=2)
+    run, coord, model, opt = committed_at_2(where)
     remount("ro")
     try:
         with pytest.raises(SaveFailedError, match=r"step-000000004: save failed: .*Read-only file system"):
