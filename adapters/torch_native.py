@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
+import math
+import re
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -45,6 +46,7 @@ from resume.errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from resume.schedule import describe_callable, describe_lr_schedule, is_lr_schedule, lr_schedule_values
 from resume.storage import Storage
 
 from . import jsonstate
@@ -219,9 +221,17 @@ class NativeTorchAdapter(Adapter):
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable,
                  schedulers: Any = (), data: Any = None, *, comm: Comm | None = None,
-                 process_group: Any = None, compression: str | None = None) -> None:
+                 process_group: Any = None, compression: str | None = None,
+                 moving_settings: Iterable[str] = ()) -> None:
         """``compression``: ``"zstd"`` compresses every shard item (a per-run choice; off by
-        default: on a local disk here it costs more time than the bytes it saves)."""
+        default: on a local disk here it costs more time than the bytes it saves).
+
+        ``moving_settings``: param-group fields besides ``lr`` that the loop sets as training goes
+        (a hand-set momentum warm-up, say): restored from the checkpoint and never compared with
+        the code's value. Fields a torch scheduler moves (``betas``/``momentum`` with
+        ``cycle_momentum``) count as moving by themselves. Every other scalar field of a group is
+        a setting: a value in the code that differs from the checkpoint's is refused at restore
+        unless accepted (``Coordinator(accept_changes=...)``)."""
         from .dcp_io import COMPRESSIONS
 
         if compression not in COMPRESSIONS:
@@ -234,9 +244,24 @@ class NativeTorchAdapter(Adapter):
         self.data = data
         self.process_group = process_group
         self.comm = comm if comm is not None else comm_for(process_group)
+        ours = [s for s in self.schedulers if not _is_torch_scheduler(s)]
+        for s in ours:
+            if not is_lr_schedule(s):
+                raise UsageError(f"schedulers: expected torch LR schedulers or schedules with lr_at(updates) "
+                                 f"(resume.schedule.LRSchedule), actual {type(s).__name__}")
+        if ours and (len(ours) > 1 or len(self.schedulers) > 1):
+            raise UsageError("schedulers: expected either torch LR schedulers or one schedule with "
+                             "lr_at(updates) giving the LR of every param group, actual both or several "
+                             f"({', '.join(type(s).__name__ for s in self.schedulers)})")
+        self._function_schedule = ours[0] if ours else None
+        self.moving_settings = set(moving_settings)
+        if any(getattr(s, "cycle_momentum", False) for s in self.schedulers):
+            self.moving_settings |= {"betas", "momentum"}
         self._steps = [0] * len(self.optimizers)
+        self._applied: list[list[float] | None] = [None] * len(self.optimizers)
         self._internal_step = False
         for i, opt in enumerate(self.optimizers):
+            opt.register_step_pre_hook(self._make_lr_recorder(i))
             opt.register_step_post_hook(self._make_step_counter(i))
 
     def _make_step_counter(self, index: int):
@@ -250,7 +275,20 @@ class NativeTorchAdapter(Adapter):
                 me._steps[index] += 1
         return hook
 
+    def _make_lr_recorder(self, index: int):
+        """The LR each group is stepped with: what the first update after a restart is checked on."""
+        adapter = weakref.ref(self)
+
+        def hook(optimizer, args, kwargs) -> None:
+            me = adapter()
+            if me is not None and not me._internal_step:
+                me._applied[index] = [_lr_value(g["lr"]) for g in optimizer.param_groups]
+        return hook
+
     # -- data ---------------------------------------------------------------------------
+
+    def has_data(self) -> bool:
+        return self.data is not None
 
     def data_iterator(self) -> Iterator[Any]:
         if self.data is None:
@@ -289,12 +327,15 @@ class NativeTorchAdapter(Adapter):
     # -- schedule and optimizer -------------------------------------------------------------
 
     def describe_schedule(self) -> list[dict]:
-        return [_describe_scheduler(s) for s in self.schedulers]
+        return [_describe_scheduler(s) if _is_torch_scheduler(s) else describe_lr_schedule(s)
+                for s in self.schedulers]
 
     def current_lrs(self) -> list[float]:
         return [float(g["lr"]) for opt in self.optimizers for g in opt.param_groups]
 
     def lr_ahead(self, k: int) -> list[list[float]]:
+        if self._function_schedule is not None:
+            return self._lr_ahead_of_function(k)
         # Step the real schedulers k-1 times and put everything back: cheaper
         # and more faithful than deep-copying optimizers with their parameters.
         saved_groups = [[{key: v for key, v in g.items() if key != "params"} for g in opt.param_groups]
@@ -325,27 +366,127 @@ class NativeTorchAdapter(Adapter):
         return list(self._steps)
 
     def scheduler_positions(self) -> list[int]:
-        return [_position(s) for s in self.schedulers]
+        # A schedule of ours has no position of its own: it is the count of successful updates.
+        return [_position(s) for s in self.schedulers if _is_torch_scheduler(s)]
+
+    def _lr_ahead_of_function(self, k: int) -> list[list[float]]:
+        schedule = self._function_schedule
+        done = self._steps[0] if self._steps else 0
+        groups = sum(len(opt.param_groups) for opt in self.optimizers)
+        out = []
+        for n in range(done, done + k):
+            lrs = lr_schedule_values(schedule, n)
+            if len(lrs) != groups:
+                raise UsageError(f"schedule: expected {groups} LRs from lr_at({n}) (one per param group, "
+                                 f"all optimizers in order), actual {len(lrs)}")
+            out.append(lrs)
+        return out
 
     def optimizer_fingerprint(self) -> list[dict]:
-        fingerprints = []
+        """Per optimizer: the sum of the bit patterns of every moment, per state key, mod 2**32.
+
+        Computed where each tensor lives (one reduction per tensor, no host copy; the
+        partial sums stay on the device until one transfer per optimizer). Integer
+        addition does not depend on order, so the sum over a sharded tensor's shards is
+        the same for any sharding: ``sharded`` (DTensor shards, each element counted on
+        one rank) survives an elastic restart as a total over the ranks, ``replicated``
+        (plain tensors: every data-parallel rank holds the whole) as each rank's value.
+        """
+        return [_moment_fingerprint(opt) for opt in self.optimizers]
+
+    def describe_structure(self) -> list[dict]:
+        """Per optimizer: its class and, per param group, its name, its parameters (count and a
+        digest of their checkpoint names) and its settings (every scalar but the LR itself)."""
+        names = self._param_names()
+        out = []
         for opt in self.optimizers:
-            h = xxhash.xxh3_64()
-            abs_sum = 0.0
-            numel = 0
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    for key, value in sorted(opt.state.get(p, {}).items()):
-                        if key == "step" or not isinstance(value, torch.Tensor):
-                            continue
-                        local = value.to_local() if hasattr(value, "to_local") else value
-                        local = local.detach().cpu().contiguous()
-                        h.update(key.encode())
-                        h.update(local.reshape(-1).view(torch.uint8).numpy().tobytes())
-                        abs_sum += float(local.double().abs().sum())
-                        numel += local.numel()
-            fingerprints.append({"digest": h.hexdigest(), "abs_sum": abs_sum, "numel": numel})
-        return fingerprints
+            groups = []
+            for g in opt.param_groups:
+                fqns = sorted(n for p in g["params"] for n in names.get(p, ("?",)))
+                groups.append({"name": _json_scalar(g.get("name")), "params": len(g["params"]),
+                               "names": xxhash.xxh3_64_hexdigest("\n".join(fqns).encode()),
+                               "settings": _group_settings(g, self.moving_settings)})
+            out.append({"class": type(opt).__name__, "groups": groups})
+        return out
+
+    def lr_groups(self) -> list[str]:
+        """A label per param group, in the order of ``current_lrs()``."""
+        return [_lr_label(i, j, g) for i, opt in enumerate(self.optimizers)
+                for j, g in enumerate(opt.param_groups)]
+
+    def applied_lrs(self) -> list[float | None]:
+        """Per param group (as ``lr_groups()``): the LR its optimizer's last step applied, None
+        if it has not stepped since the adapter was built (or the group is newer than that step)."""
+        out: list[float | None] = []
+        for opt, applied in zip(self.optimizers, self._applied):
+            out += [applied[j] if applied is not None and j < len(applied) else None
+                    for j in range(len(opt.param_groups))]
+        return out
+
+    @property
+    def lr_set_by_loop(self) -> bool:
+        """True when a schedule of ours (``resume.schedule.LRSchedule``) is declared: the loop sets
+        the LR just before each step, so the groups hold the previous update's LR in between."""
+        return self._function_schedule is not None
+
+    def snapshot_settings(self) -> Any:
+        """The code's settings, taken before a load overwrites them (for ``apply_changes``)."""
+        groups = [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                  for opt in self.optimizers]
+        return {"groups": groups, "schedulers": [copy.deepcopy(s.state_dict()) if _is_torch_scheduler(s)
+                                                 else None for s in self.schedulers]}
+
+    def apply_changes(self, items: list[str], snapshot: Any) -> None:
+        """After a load: put the code's values back for the accepted ``items`` (resume.changes)."""
+        peaks: dict[int, list[float]] = {}  # optimizer index -> group LRs before a peak change
+        for item in items:
+            m = _GROUP_ITEM.match(item)
+            if m:
+                i, j, key = int(m[1]), int(m[2]), m[3]
+                group = self.optimizers[i].param_groups[j]
+                if key == "initial_lr":
+                    peaks.setdefault(i, [g.get("initial_lr", g["lr"]) for g in self.optimizers[i].param_groups])
+                code = snapshot["groups"][i][j]
+                if key in code:
+                    group[key] = copy.deepcopy(code[key])
+                else:
+                    group.pop(key, None)
+                continue
+            m = _SCHEDULE_ITEM.match(item)
+            if m:
+                self._apply_scheduler_config(int(m[1]), snapshot["schedulers"][int(m[1])])
+        for i, old in peaks.items():
+            opt = self.optimizers[i]
+            new = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+            for s in self.schedulers:
+                if _is_torch_scheduler(s) and getattr(s, "optimizer", None) is opt and hasattr(s, "base_lrs"):
+                    s.base_lrs = list(new)
+            _rescale_lrs(opt, old, new)
+
+    def _apply_scheduler_config(self, index: int, code_state: dict | None) -> None:
+        s = self.schedulers[index]
+        if code_state is None:  # a schedule of ours: its configuration is the code's already
+            return
+        loaded = s.state_dict()
+        old_bases = list(getattr(s, "base_lrs", []))
+        merged = {k: v for k, v in code_state.items() if k not in _DYNAMIC_SCHEDULER_KEYS}
+        merged.update({k: v for k, v in loaded.items() if k in _DYNAMIC_SCHEDULER_KEYS})
+        s.load_state_dict(merged)
+        new_bases = list(getattr(s, "base_lrs", []))
+        opt = getattr(s, "optimizer", None)
+        if opt is not None and old_bases and old_bases != new_bases:
+            closed = _closed_form_lrs(s)
+            if closed is not None:
+                for g, lr in zip(opt.param_groups, closed):
+                    g["lr"] = lr
+            else:
+                _rescale_lrs(opt, old_bases, new_bases)
+
+    def _param_names(self) -> dict:
+        names = {}
+        for name, param in self.model.named_parameters():
+            names[param] = _get_fqns(self.model, name)
+        return names
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -354,7 +495,8 @@ class NativeTorchAdapter(Adapter):
         # state yet is not in the sharded checkpoint, but its LR still moved.
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
                   for opt in self.optimizers]
-        return {"schedulers": [jsonstate.encode(s.state_dict()) for s in self.schedulers],
+        return {"schedulers": [jsonstate.encode(s.state_dict()) if hasattr(s, "state_dict") else None
+                               for s in self.schedulers],
                 "optimizer_steps": list(self._steps), "param_groups": jsonstate.encode(groups)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -362,7 +504,8 @@ class NativeTorchAdapter(Adapter):
         if len(saved) != len(self.schedulers):
             raise ValueError(f"schedulers: expected {len(saved)} (as saved), actual {len(self.schedulers)}")
         for s, sd in zip(self.schedulers, saved):
-            s.load_state_dict(jsonstate.decode(sd))
+            if sd is not None and hasattr(s, "load_state_dict"):
+                s.load_state_dict(jsonstate.decode(sd))
         steps = [int(x) for x in state["optimizer_steps"]]
         if len(steps) != len(self.optimizers):
             raise ValueError(f"optimizers: expected {len(steps)} (as saved), actual {len(self.optimizers)}")
@@ -478,6 +621,131 @@ class NativeTorchAdapter(Adapter):
         return {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
 
 
+# Param-group keys that are not training settings: the parameters, the LR itself (moved by
+# the schedule), and switches that choose how the update is computed, not what it computes.
+_NOT_SETTINGS = {"params", "param_names", "lr", "foreach", "capturable", "differentiable", "fused"}
+_GROUP_ITEM = re.compile(r"^optimizer\[(\d+)\]\.group\[(\d+)\]\.(.+)$")
+_SCHEDULE_ITEM = re.compile(r"^schedule\[(\d+)\]\.")
+
+
+def _is_torch_scheduler(s: Any) -> bool:
+    return isinstance(s, (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau)) or (
+        hasattr(s, "optimizer") and hasattr(s, "step") and hasattr(s, "state_dict") and not hasattr(s, "lr_at"))
+
+
+def _lr_value(lr: Any) -> float:
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+def _lr_label(i: int, j: int, group: dict) -> str:
+    name = group.get("name")
+    return f"optimizer[{i}].group[{j}]" + (f" {name!r}" if isinstance(name, str) else "")
+
+
+def _json_scalar(value: Any) -> Any:
+    """A setting as JSON keeps it (tuples as lists, non-finite floats as text); None if it has no
+    JSON form (a callable, a tensor of several values)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (tuple, list)):
+        items = [_json_scalar(v) for v in value]
+        return None if any(v is None and x is not None for v, x in zip(items, value)) else items
+    return None
+
+
+def _group_settings(group: dict, moving: set[str]) -> dict:
+    out = {}
+    for key, value in group.items():
+        if key in _NOT_SETTINGS or key in moving or not isinstance(key, str):
+            continue
+        as_json = _json_scalar(value)
+        if as_json is not None or value is None:
+            out[key] = as_json
+    return out
+
+
+def _bits_view(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The tensor's bit patterns as integers of its element size, and the accumulation dtype."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    size = t.element_size()
+    if size == 8:
+        return t.view(torch.int64), torch.int64
+    if size == 4:
+        return t.view(torch.int32), torch.int32  # wraps mod 2**32: order-free, fast
+    if size == 2:
+        return t.view(torch.int16), torch.int32
+    return t.view(torch.int8) if t.dtype != torch.bool else t.to(torch.int8), torch.int32
+
+
+def _counts_here(value: Any) -> bool:
+    """A DTensor replicated over some mesh dimension is counted by its first replica only."""
+    placements = getattr(value, "placements", None)
+    mesh = getattr(value, "device_mesh", None)
+    if placements is None or mesh is None:
+        return True
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
+            return False
+    return True
+
+
+def _moment_fingerprint(opt: torch.optim.Optimizer) -> dict:
+    partial: dict[str, dict[str, list[torch.Tensor]]] = {"replicated": {}, "sharded": {}}
+    numel = {"replicated": 0, "sharded": 0}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if key == "step" or not isinstance(value, torch.Tensor):
+                    continue
+                kind = "sharded" if hasattr(value, "to_local") else "replicated"
+                if kind == "sharded" and not _counts_here(value):
+                    continue
+                local = value.to_local() if kind == "sharded" else value
+                if local.numel() == 0:
+                    continue
+                bits, acc = _bits_view(local.detach())
+                partial[kind].setdefault(str(key), []).append(bits.sum(dtype=acc).to(torch.int64))
+                numel[kind] += local.numel()
+    out = {}
+    for kind in ("replicated", "sharded"):
+        keys = sorted(partial[kind])
+        if not keys:
+            out[kind] = {"bits": {}, "numel": numel[kind]}
+            continue
+        # One transfer per optimizer and kind: the partial sums stay on their device until here.
+        totals = torch.stack([torch.stack([t.to(partial[kind][keys[0]][0].device) for t in partial[kind][k]]
+                                          ).sum() for k in keys]).cpu().tolist()
+        out[kind] = {"bits": {k: int(v) & 0xFFFFFFFF for k, v in zip(keys, totals)}, "numel": numel[kind]}
+    return out
+
+
+def _rescale_lrs(opt: torch.optim.Optimizer, old: list[float], new: list[float]) -> None:
+    """After a changed peak: each group's LR scaled by new/old peak (exact for every schedule that
+    multiplies the peak by a factor of the position, as LambdaLR and most of torch's do)."""
+    for g, before, after in zip(opt.param_groups, old, new):
+        if before and before != after:
+            g["lr"] = _lr_value(g["lr"]) * float(after) / float(before)
+
+
+def _closed_form_lrs(s: Any) -> list[float] | None:
+    if isinstance(s, torch.optim.lr_scheduler.LambdaLR):
+        return [float(v) for v in s.get_lr()]
+    closed = getattr(s, "_get_closed_form_lr", None)
+    if callable(closed):
+        try:
+            return [float(v) for v in closed()]
+        except (TypeError, AttributeError):
+            return None
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
     """DCP warns that it "assumes" a single process; without a process group that is the intent."""
@@ -501,7 +769,7 @@ def _describe_scheduler(scheduler: Any) -> dict:
         if key in _DYNAMIC_SCHEDULER_KEYS or key == "optimizer":
             continue
         if key == "lr_lambdas":
-            value = [_describe_callable(fn) for fn in getattr(scheduler, "lr_lambdas", [])]
+            value = [describe_callable(fn) for fn in getattr(scheduler, "lr_lambdas", [])]
         entry[key] = jsonstate.encode(value)
     children = getattr(scheduler, "_schedulers", None)
     if children:
@@ -515,29 +783,3 @@ def _distcp_owner(name: str) -> int | None:
         if head.isdigit():
             return int(head)
     return None
-
-
-def _describe_callable(fn: Any) -> Any:
-    """A stable description of an LR lambda: its code and the numbers it closes over.
-
-    A schedule rebuilt with another length or peak closes over other numbers,
-    so the difference shows before a single update.
-    """
-    if isinstance(fn, types.FunctionType):
-        cells = []
-        for cell in fn.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            if isinstance(value, (int, float, str, bool)) or value is None:
-                cells.append(value)
-        return {"function": fn.__qualname__, "code": xxhash.xxh3_64_hexdigest(fn.__code__.co_code),
-                "closure": cells, "defaults": [d for d in (fn.__defaults__ or ())
-                                               if isinstance(d, (int, float, str, bool))]}
-    if hasattr(fn, "func") and hasattr(fn, "args"):  # functools.partial
-        return {"partial": getattr(fn.func, "__qualname__", repr(fn.func)),
-                "args": [a for a in fn.args if isinstance(a, (int, float, str, bool))],
-                "keywords": {k: v for k, v in fn.keywords.items() if isinstance(v, (int, float, str, bool))}}
-    return {"object": type(fn).__qualname__, "state": jsonstate.encode(
-        {k: v for k, v in vars(fn).items() if isinstance(v, (int, float, str, bool))})}

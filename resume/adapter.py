@@ -4,6 +4,9 @@ Call sequence (the coordinator makes every call; "all" = every rank, in the
 same order, because some calls are collective):
 
 On restore:
+  0. all  ``describe_structure()``, ``describe_schedule()`` before anything is loaded: the optimizers
+          and schedule as the code builds them (compared with the manifest: resume.changes);
+          ``snapshot_settings()`` when changes were accepted
   1. all  ``describe_schedule()``          before anything is loaded: the schedule as the code declares it
   2. all  ``load_shards(step_dir, manifest)`` collective: sharded tensors (model, optimizers)
   3. all  ``load_state_dict(state)``       this rank's small state (schedulers, step counters)
@@ -11,11 +14,14 @@ On restore:
   5. all  ``optimizer_steps()``, ``scheduler_positions()``, ``optimizer_fingerprint()``,
           ``lr_ahead(k)``                  recomputed from the live objects and compared
   6. all  ``data_iterator()``, ``describe_batch(batch)`` the next batch, peeked
+  After 4, with accepted changes: all ``apply_changes(items, snapshot)``.
+  After the first update: all ``applied_lrs()`` (the LR the step applied) and ``lr_groups()``.
 
 On save (at an iteration boundary, all ranks agreed):
   1. all  ``data_state()``                 before the look-ahead batch is fetched
   2. all  ``describe_batch(batch)``        of the look-ahead batch
-  3. all  ``lr_ahead(k)``, ``optimizer_fingerprint()``, ``describe_schedule()``
+  3. all  ``lr_ahead(k)``, ``lr_groups()``, ``optimizer_fingerprint()``, ``describe_schedule()``,
+          ``describe_structure()``
   4. all  ``state_dict()``                 this rank's small state, written as JSON by the coordinator
   5. all  ``save_shards(step_dir)``        collective; returns the files this rank wrote
   Rank 0 then gathers the file lists and commits the manifest.
@@ -47,6 +53,10 @@ class Adapter(ABC):
     comm: Comm
 
     # -- data ------------------------------------------------------------------
+    def has_data(self) -> bool:
+        """False when the adapter was given no data: the next batch is then not recorded."""
+        return True
+
     @abstractmethod
     def data_iterator(self) -> Iterator[Any]:
         """A fresh iterator over this rank's batches, from the current data position."""
@@ -84,7 +94,39 @@ class Adapter(ABC):
 
     @abstractmethod
     def optimizer_fingerprint(self) -> list[dict]:
-        """Per optimizer: a fingerprint of this rank's moments (digest, abs_sum, numel)."""
+        """Per optimizer: a fingerprint of this rank's moments, computed where they live:
+        ``{"replicated": {"bits": {key: int}, "numel": n}, "sharded": {...}}`` with the sum of
+        the bit patterns mod 2**32 per state key (``sharded``: each element counted on one rank,
+        so the total over ranks is the same for any sharding)."""
+
+    # -- structure, settings and changes (optional; the defaults record nothing) ------------
+    def describe_structure(self) -> list[dict]:
+        """Per optimizer: ``{"class", "groups": [{"name", "params", "names", "settings"}]}``
+        (resume.changes): compared before a load, so that another structure or a changed
+        setting is named instead of failing inside the load."""
+        return []
+
+    def lr_groups(self) -> list[str]:
+        """A label per param group, in the order of ``current_lrs()``."""
+        return [f"group[{i}]" for i in range(len(self.current_lrs()))]
+
+    def applied_lrs(self) -> list[float | None] | None:
+        """Per param group: the LR the last optimizer step applied (None: unknown)."""
+        return None
+
+    @property
+    def lr_set_by_loop(self) -> bool:
+        """True when the loop sets the LR just before each step (a hand-set schedule)."""
+        return False
+
+    def snapshot_settings(self) -> object:
+        """The code's settings, before a load overwrites them (for ``apply_changes``)."""
+        return None
+
+    def apply_changes(self, items: list[str], snapshot: object) -> None:
+        """After a load: the code's values for the accepted ``items`` (resume.changes)."""
+        if items:
+            raise NotImplementedError(f"{type(self).__name__} cannot apply changed settings {items}")
 
     # -- persistence ---------------------------------------------------------------
     @abstractmethod

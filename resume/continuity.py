@@ -31,10 +31,14 @@ class Expectation:
     optimizer_steps: list[int] = field(default_factory=list)
     """Step count of every optimizer."""
     optimizer: list[list[dict]] = field(default_factory=list)
-    """Per rank, per optimizer: a fingerprint of the moments (digest, abs-sum, element count)."""
+    """Per rank, per optimizer: a fingerprint of the moments (Adapter.optimizer_fingerprint)."""
     rng: list[str] = field(default_factory=list)
     """Per rank: a digest of every generator's state."""
     world_size: int = 1
+    lr_groups: list[str] = field(default_factory=list)
+    """A label per param group, in the order of each ``lr_ahead`` row (empty: positional)."""
+    structure: list[dict] = field(default_factory=list)
+    """Per optimizer: class, param groups, their parameters and settings (resume.changes)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,9 +76,28 @@ def _check_shape(data: dict, source: str) -> None:
     steps = data.get("optimizer_steps", [])
     if not (isinstance(steps, list) and all(isinstance(s, int) for s in steps)):
         raise bad("optimizer_steps", "a list of integers")
-    for name in ("schedule", "optimizer", "rng"):
+    for name in ("schedule", "optimizer", "rng", "structure"):
         if not isinstance(data.get(name, []), list):
             raise bad(name, "a list")
+    labels = data.get("lr_groups", [])
+    if not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)
+            and (not labels or all(len(r) == len(labels) for r in lr))):
+        raise bad("lr_groups", "a list of labels, one per LR of each lr_ahead row")
+    structure = data.get("structure", [])
+    if not all(isinstance(o, dict) and isinstance(o.get("groups", []), list)
+               and all(isinstance(g, dict) and isinstance(g.get("settings", {}), dict) for g in o.get("groups", []))
+               for o in structure):
+        raise bad("structure", "a list of optimizers with param groups")
+    for rank in data.get("optimizer", []):
+        if not (isinstance(rank, list) and all(isinstance(o, dict) for o in rank)):
+            raise bad("optimizer", "per rank, a list of objects")
+        for o in rank:
+            if _is_bits_fingerprint(o) and not all(
+                    isinstance(part := o[kind], dict) and isinstance(part.get("numel"), int)
+                    and isinstance(part.get("bits"), dict)
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in part["bits"].values())
+                    for kind in ("replicated", "sharded")):
+                raise bad("optimizer", "per optimizer, replicated and sharded moment sums (integers)")
 
 
 def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]]) -> dict | None:
@@ -118,17 +141,7 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
                               f"{len(actual.schedule)} schedulers")
     if expected.optimizer_steps != actual.optimizer_steps:
         raise ContinuityError("optimizer.steps", expected.optimizer_steps, actual.optimizer_steps)
-    if resized:
-        _compare_moment_totals(expected, actual)
-    else:
-        for rank, (e_rank, a_rank) in enumerate(zip(expected.optimizer, actual.optimizer)):
-            for i, (e, a) in enumerate(zip(e_rank, a_rank)):
-                if e != a:
-                    raise ContinuityError(
-                        f"optimizer[{i}].moments (rank {rank})",
-                        f"digest {e.get('digest')} |sum| {e.get('abs_sum')!r} over {e.get('numel')} values",
-                        f"digest {a.get('digest')} |sum| {a.get('abs_sum')!r} over {a.get('numel')} values",
-                        "optimizer state not loaded or re-initialised" if not a.get("abs_sum") else "")
+    _compare_moments(expected, actual, resized=resized)
     if expected.lr_ahead != actual.lr_ahead:
         k = _first_difference(expected.lr_ahead, actual.lr_ahead)
         e = expected.lr_ahead[k] if k is not None and k < len(expected.lr_ahead) else None
@@ -142,15 +155,64 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
     _compare_batch(expected.next_batch, actual.next_batch)
 
 
-def _compare_moment_totals(expected: Expectation, actual: Expectation) -> None:
-    """On another data-parallel size shards differ, but moments that were there must still be."""
-    n_opt = max((len(r) for r in expected.optimizer), default=0)
+def _is_bits_fingerprint(record: Any) -> bool:
+    return isinstance(record, dict) and "replicated" in record and "sharded" in record
+
+
+def _bits_total(parts: list[dict]) -> dict:
+    """Sharded parts summed over ranks (mod 2**32): the same for any sharding."""
+    bits: dict[str, int] = {}
+    numel = 0
+    for part in parts:
+        for key, value in part.get("bits", {}).items():
+            bits[key] = (bits.get(key, 0) + int(value)) & 0xFFFFFFFF
+        numel += int(part.get("numel", 0))
+    return {"bits": bits, "numel": numel}
+
+
+def _describe_bits(part: dict) -> str:
+    bits = ", ".join(f"{k} {v:08x}" for k, v in sorted(part.get("bits", {}).items())) or "none"
+    return f"moments {bits} over {part.get('numel', 0)} values"
+
+
+def _moment_hint(actual: dict) -> str:
+    values = actual.get("bits", {})
+    if actual.get("numel", 0) and not any(values.values()):
+        return "optimizer state not loaded or re-initialised (every moment is zero)"
+    if not actual.get("numel", 0):
+        return "optimizer state not loaded or re-initialised (no moments)"
+    return "the moments differ from those saved"
+
+
+def _compare_moments(expected: Expectation, actual: Expectation, *, resized: bool) -> None:
+    """Moments as saved. Same size: every rank's fingerprint exactly. Another data-parallel size:
+    sharded moments as totals over the ranks, replicated ones on every rank as on rank 0 then."""
+    if not expected.optimizer:
+        return
+    if not all(_is_bits_fingerprint(o) for r in expected.optimizer for o in r):
+        # Recorded by an older resume (a host-side digest): not comparable with ours.
+        return
+    n_opt = len(expected.optimizer[0])
     for i in range(n_opt):
-        had = sum(r[i].get("abs_sum", 0.0) for r in expected.optimizer if i < len(r))
-        has = sum(r[i].get("abs_sum", 0.0) for r in actual.optimizer if i < len(r))
-        if had > 0 and has == 0:
-            raise ContinuityError(f"optimizer[{i}].moments", f"|sum| {had!r} over all ranks",
-                                  "|sum| 0.0", "optimizer state not loaded or re-initialised")
+        saved = [r[i] for r in expected.optimizer if i < len(r)]
+        live = [r[i] for r in actual.optimizer if i < len(r)]
+        if not resized:
+            for rank, (e, a) in enumerate(zip(saved, live)):
+                for kind in ("replicated", "sharded"):
+                    if e[kind] != a.get(kind):
+                        raise ContinuityError(f"optimizer[{i}].moments (rank {rank}, {kind})",
+                                              _describe_bits(e[kind]), _describe_bits(a.get(kind, {})),
+                                              _moment_hint(a.get(kind, {})))
+            continue
+        e_total, a_total = _bits_total([e["sharded"] for e in saved]), _bits_total([a["sharded"] for a in live])
+        if e_total != a_total:
+            raise ContinuityError(f"optimizer[{i}].moments (sharded, all ranks)", _describe_bits(e_total),
+                                  _describe_bits(a_total), _moment_hint(a_total))
+        for rank, a in enumerate(live):
+            if saved[0]["replicated"] != a["replicated"]:
+                raise ContinuityError(f"optimizer[{i}].moments (rank {rank}, replicated)",
+                                      _describe_bits(saved[0]["replicated"]), _describe_bits(a["replicated"]),
+                                      _moment_hint(a["replicated"]))
 
 
 def _compare_batch(expected: dict | None, actual: dict | None) -> None:

@@ -22,13 +22,14 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from . import errors as _errors
 from . import faults
 from .adapter import Adapter
+from .changes import AcceptChanges, Change, check_structure, refuse, schedule_changes, setting_changes
 from .checksum import checksum_bytes, checksum_file
 from .comm import Comm
 from .continuity import Expectation, compare, compare_config, merge_batch_descriptions
@@ -101,6 +102,7 @@ class Coordinator:
         on_save_failure: str = "raise",
         max_save_failures: int = 3,
         lease_ttl_s: float | None = 120.0,
+        accept_changes: Iterable[str] | str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """
@@ -133,6 +135,12 @@ class Coordinator:
             lease_ttl_s: rank 0 holds ``RUN/lease.json`` while the coordinator lives, with a
                 heartbeat; another job is refused (RunBusyError) until the lease is older
                 than this. None: no lease (only for a run nothing else can reach).
+            accept_changes: settings the code may change against the checkpoint at this
+                restart (``"weight_decay"``, ``"initial_lr"``, ``"optimizer[1]"``,
+                ``"schedule"``; resume.changes). Any other changed param-group or schedule
+                setting is refused with ContinuityError. An accepted change keeps the code's
+                value and is recorded in the next manifest (``changes``). The environment's
+                ``RESUME_ACCEPT_CHANGES`` (comma-separated) adds to it, for a requeued job.
             clock: injectable monotonic clock.
         """
         if not isinstance(global_batch, int) or global_batch < 1:
@@ -166,6 +174,12 @@ class Coordinator:
         self.save_failures = 0
         """Scheduled saves failed in a row (``on_save_failure="continue"``)."""
         self.clock = clock
+        self.accept = AcceptChanges.parse(accept_changes)
+        self.user: dict[str, Any] = {}
+        """The program's own JSON values (a training stage, a curriculum position), saved in
+        every manifest; ``peek()`` reads them before the shards load, ``restore()`` sets them."""
+        self.changes: list[dict] = []
+        """Settings changed on purpose at restarts, ``{step, item, from, to}`` (manifest ``changes``)."""
 
         self.rng = RngRegistry()
         self.state = TrainState()
@@ -180,6 +194,9 @@ class Coordinator:
         self._signal: int | None = None
         self._last_poll = float("-inf")
         self._first_after_restore: Expectation | None = None
+        self._peeked: tuple[Manifest | None] | None = None
+        self._drawn = False  # a batch went out through batches() since the start or the restore
+        self._start_iteration = 0
         self._previous_handlers: dict[int, Any] = {}
         self.async_save = async_save and adapter.can_stage()
         self._in_flight: _InFlight | None = None
@@ -213,9 +230,22 @@ class Coordinator:
         self._save_requested = True
         self._stop_requested = self._stop_requested or stop
 
+    def peek(self) -> Manifest | None:
+        """Collective: the checkpoint ``restore()`` will load (found and verified now, not
+        again by ``restore()``), or None for a fresh start. Nothing is loaded.
+
+        Its ``user`` holds the values the program saved in ``coord.user``, so the program
+        can build the structure the checkpoint holds (a stage's param groups, untied
+        weights) before ``restore()`` loads into it.
+        """
+        if self._peeked is None:
+            self._peeked = (self._discover(),)
+        return self._peeked[0]
+
     def restore(self) -> TrainState:
         """Load the newest committed checkpoint (or start fresh) and check continuity."""
-        manifest = self._discover()
+        manifest = self.peek()
+        self._peeked = None
         if manifest is None:
             self._start_fresh()
             return self.state
@@ -232,8 +262,11 @@ class Coordinator:
             if batch is _END:
                 self._iterator = None  # the next batches() starts the next pass
                 return
-            if self._first_after_restore is not None:
-                self._check_lr_now(self._first_after_restore.lr_ahead[0], "lr at the first update")
+            self._drawn = True
+            first = self._first_after_restore
+            if first is not None and not self.adapter.lr_set_by_loop:
+                # The LR is in the groups before the step: refused before any update.
+                self._check_lrs(first, 0, self.adapter.current_lrs(), "lr at the first update")
             yield batch
 
     def update(self, *, applied: bool = True, samples: int | None = None, tokens: int | None = None,
@@ -242,9 +275,8 @@ class Coordinator:
         self.state.advance(applied=applied, samples=self.global_batch if samples is None else samples,
                            tokens=tokens, tokens_in_loss=tokens_in_loss)
         self._check_counters(applied=applied, where="update")
-        if self._first_after_restore is not None:
-            ahead = self._first_after_restore.lr_ahead
-            self._check_lr_now(ahead[1] if applied else ahead[0], "lr after the first update")
+        if self._first_after_restore is not None and applied:
+            self._check_first_update(self._first_after_restore)
             self._first_after_restore = None
         return self._maybe_save_at_boundary()
 
@@ -263,6 +295,7 @@ class Coordinator:
         step = self.state.iteration
         if self.last_committed_step == step:
             return step
+        self._refuse_untracked_batches()
         faults.set_context(rank=self.rank, step=step)
         try:
             return self._save_step(step, blocking=blocking)
@@ -274,9 +307,22 @@ class Coordinator:
                                       f"{type(e).__name__}: {e}") from e
             raise
 
+    def _refuse_untracked_batches(self) -> None:
+        """A loop that draws its batches around ``batches()`` would make every checkpoint record
+        a wrong next batch (the loader's first, each time): refused at the first save."""
+        counted = self.state.iteration - self._start_iteration
+        if counted and not self._drawn and self.adapter.has_data():
+            raise UsageError(
+                "next_batch: expected the training loop to draw its batches through coord.batches() "
+                f"(the checkpoint records the next batch from it), actual {counted} iterations counted "
+                "by update() and no batch drawn through it; write `for batch in coord.batches():`, or "
+                "build the adapter with data=None to save without the next-batch check (the loader's "
+                "position is then the program's to keep, e.g. in coord.user)")
+
     def _save_step(self, step: int, *, blocking: bool) -> int:
         started = self.clock()
         step_dir = step_dirname(step)
+        record = {"user": _as_json(self.user, "user"), "changes": list(self.changes)}
         already = self._on_rank0(lambda: self._prepare_step_dir(step))
         if already:
             self.last_committed_step = step
@@ -299,7 +345,7 @@ class Coordinator:
             in_flight.thread = threading.Thread(
                 target=self._write_in_background, name=f"resume-save-{step}",
                 args=(in_flight, step_dir, shards["staged"], staged["files"], expectation, started, stall,
-                      TrainState.from_dict(self.state.to_dict())))
+                      TrainState.from_dict(self.state.to_dict()), record))
             self._in_flight = in_flight
             in_flight.thread.start()
             return step
@@ -308,7 +354,7 @@ class Coordinator:
         reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
         faults.point("save.after_gather")
         # Phase 3, rank 0: the manifest, last and atomically, then retention.
-        self._on_rank0(lambda: self._commit(step, reports, expectation, self.clock() - started))
+        self._on_rank0(lambda: self._commit(step, reports, expectation, self.clock() - started, record=record))
         self.last_committed_step = step
         return step
 
@@ -330,7 +376,7 @@ class Coordinator:
 
     def _write_in_background(self, in_flight: _InFlight, step_dir: str, staged: Any, files: dict,
                              expectation: Expectation, started: float, stall: float,
-                             state: TrainState) -> None:
+                             state: TrainState, record: dict) -> None:
         """Phases 2 and 3 of an asynchronous save, on the save group; errors kept for the wait."""
         step = in_flight.step
         comm = self._save_comm
@@ -349,7 +395,7 @@ class Coordinator:
             if comm.rank == 0:
                 try:
                     self._commit(step, reports, expectation, self.clock() - started, stall_s=stall,
-                                 state=state)
+                                 state=state, record=record)
                     outcome = ("ok",)
                 except Exception as e:  # noqa: BLE001 - every rank must hear of it
                     outcome = ("error", type(e).__name__, str(e))
@@ -479,6 +525,8 @@ class Coordinator:
                 self.run.write_info({"config": self.config, "adapter": self.adapter.name,
                                      "topology": self.adapter.topology()})
         self._on_rank0(write_info)
+        self._drawn = False
+        self._start_iteration = self.state.iteration
         log.info("resume: %s: no checkpoint, starting fresh", self.run.url)
 
     def _load(self, manifest: Manifest) -> None:
@@ -488,6 +536,10 @@ class Coordinator:
         # Config first: a changed global batch or seed is named before anything is loaded.
         compare_config(manifest.config, self.config)
         declared_schedule = self.adapter.describe_schedule()
+        # Then the optimizers' structure and every setting, still before anything is loaded:
+        # another structure or a changed setting is named here, never found inside the load.
+        accepted = self._check_settings(expected, declared_schedule)
+        code_settings = self.adapter.snapshot_settings() if accepted else None
 
         saved_world = int(manifest.topology.get("world_size", 1))
         # Local reads first, agreed on by all ranks, so that a bad file on one
@@ -499,6 +551,8 @@ class Coordinator:
         self.adapter.load_state_dict(rank_state["adapter"])
         self.adapter.load_data_state(rank_state["data"])
         self.rng.restore(rank_state["rng"])
+        if accepted:
+            self.adapter.apply_changes([c.item for c in accepted], code_settings)
         self.state = TrainState.from_dict(manifest.train_state.to_dict(), source=source)
         self._iterator = None
         self._lookahead = None
@@ -506,13 +560,43 @@ class Coordinator:
         self.state.check_invariants(global_batch=self.global_batch, where=source)
         self._check_counters(applied=True, where=f"restore of {step_dir}")
         actual = self._expectation_now(schedule=declared_schedule)
+        if accepted and expected.lr_ahead != actual.lr_ahead and any(_moves_lr(c.item) for c in accepted):
+            # The accepted change moves the LR: what is ahead now is the new schedule's (recorded
+            # with the change), and the first update is checked against it.
+            if self.rank == 0:
+                log.warning("resume: LR ahead after the accepted changes: %s (the checkpoint had %s)",
+                            actual.lr_ahead, expected.lr_ahead)
+            expected.lr_ahead, expected.lr_groups = actual.lr_ahead, actual.lr_groups
         compare(expected, actual, resized=saved_world != self.comm.world_size)
         self.last_committed_step = step
         self.restored_from = step
         self._first_after_restore = expected
+        self.user = dict(manifest.user)
+        self.changes = list(manifest.changes) + [c.record(step) for c in accepted]
+        self._drawn = False
+        self._start_iteration = self.state.iteration
         log.info("resume: restored %s (iteration %d, %d successful, %d skipped); continuity ok",
                  step_dir, self.state.iteration, self.state.updates_successful,
                  self.state.updates_skipped)
+
+    def _check_settings(self, expected: Expectation, declared_schedule: list[dict]) -> list[Change]:
+        """Structure and settings of the code against the checkpoint: a structure mismatch or a
+        changed setting that was not accepted raises ContinuityError; the accepted changes."""
+        changes = schedule_changes(expected.schedule, declared_schedule)
+        if expected.structure:  # not recorded by an older resume
+            live = self.adapter.describe_structure()
+            check_structure(expected.structure, live)
+            changes = setting_changes(expected.structure, live) + changes
+        for change in changes:
+            if not self.accept.accepts(change.item):
+                raise refuse(change)
+        if changes and self.rank == 0:
+            for change in changes:
+                log.warning("resume: accepted change %s: %r -> %r (recorded in the next manifest)",
+                            change.item, change.saved, change.live)
+        # Accepted: the schedule compared below is the code's.
+        expected.schedule = declared_schedule
+        return changes
 
     def _read_rank_state(self, manifest: Manifest, saved_world: int) -> dict:
         step_dir = step_dirname(manifest.step)
@@ -542,6 +626,8 @@ class Coordinator:
         # RNG and data position are snapshotted BEFORE the fetch: a restarted
         # run re-fetches this batch from the snapshot, consuming randomness
         # exactly as the uninterrupted run did.
+        if not self.adapter.has_data():  # nothing to look ahead into; nothing kept between saves
+            return _Lookahead(_END, self.rng.capture(), None)
         if self._lookahead is None:
             rng_state = self.rng.capture()
             data_state = self.adapter.data_state()
@@ -559,7 +645,9 @@ class Coordinator:
             "rng": RngRegistry.digest(ahead.rng_state),
             "optimizer": self.adapter.optimizer_fingerprint(),
             "lr_ahead": self.adapter.lr_ahead(self.lr_lookahead),
+            "lr_groups": self.adapter.lr_groups(),
             "schedule": self.adapter.describe_schedule() if schedule is None else schedule,
+            "structure": self.adapter.describe_structure(),
             "optimizer_steps": self.adapter.optimizer_steps(),
         }
 
@@ -568,6 +656,8 @@ class Coordinator:
         return Expectation(
             next_batch=merge_batch_descriptions([p["batch"] for p in parts]),
             lr_ahead=parts[0]["lr_ahead"],
+            lr_groups=parts[0]["lr_groups"],
+            structure=parts[0]["structure"],
             schedule=parts[0]["schedule"],
             optimizer_steps=parts[0]["optimizer_steps"],
             optimizer=[p["optimizer"] for p in parts],
@@ -599,10 +689,45 @@ class Coordinator:
                 raise ContinuityError(f"{kind}[{i}].{'steps' if kind == 'optimizer' else 'position'}",
                                       f"{successful} (updates_successful)", value, hint)
 
-    def _check_lr_now(self, expected: list[float], item: str) -> None:
-        actual = self.adapter.current_lrs()
-        if actual != expected:
-            raise ContinuityError(item, expected, actual, "the LR applied is not the one recorded")
+    def _check_first_update(self, expected: Expectation) -> None:
+        """After the first applied update: the LR it applied is the one recorded, and (torch
+        schedulers) the groups now hold the LR recorded for the update after it."""
+        applied = self.adapter.applied_lrs()
+        if applied is not None:
+            self._check_lrs(expected, 0, applied, "lr applied at the first update")
+        if not self.adapter.lr_set_by_loop and len(expected.lr_ahead) > 1:
+            self._check_lrs(expected, 1, self.adapter.current_lrs(), "lr after the first update")
+
+    def _check_lrs(self, expected: Expectation, ahead: int, actual: list[float | None], item: str) -> None:
+        """The recorded groups' LRs (row ``ahead`` of the LR ahead) against ``actual``. A group
+        added since (a stage change in this iteration) is named in the log, not refused."""
+        recorded = expected.lr_ahead[ahead]
+        live_labels = self.adapter.lr_groups()
+        labels = expected.lr_groups or live_labels[:len(recorded)]
+        if not expected.lr_groups and len(live_labels) != len(recorded):
+            raise ContinuityError(item, recorded, actual, "another number of param groups than recorded")
+        position = {label: i for i, label in enumerate(live_labels)}
+        wanted, got = [], []
+        for label, lr in zip(labels, recorded):
+            i = position.get(label)
+            if i is None:
+                raise ContinuityError(f"{item}: {label}", lr, "no such param group",
+                                      "a param group recorded at the save is gone")
+            if actual[i] is None:  # its optimizer did not step in this update
+                continue
+            wanted.append(lr)
+            got.append(actual[i])
+        if wanted != got:
+            hint = "the LR applied is not the one recorded"
+            if not self.adapter.lr_set_by_loop and not self.adapter.describe_schedule():
+                hint += ("; an LR set by hand in the loop? declare its schedule: NativeTorchAdapter(..., "
+                         "schedulers=lr_at) with lr_at(updates) -> LRs (resume.schedule)")
+            raise ContinuityError(item, wanted, got, hint)
+        added = [f"{label} (lr {actual[i]})" for label, i in position.items()
+                 if label not in set(labels) and actual[i] is not None]
+        if added and self.rank == 0:
+            log.info("resume: %s: param groups added since the checkpoint, not checked: %s", item,
+                     ", ".join(added))
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -749,7 +874,8 @@ class Coordinator:
                                             f"ranks: {detail}")
 
     def _commit(self, step: int, reports: list[dict], expectation: Expectation,
-                elapsed_s: float, *, stall_s: float | None = None, state: TrainState | None = None) -> None:
+                elapsed_s: float, *, stall_s: float | None = None, state: TrainState | None = None,
+                record: dict | None = None) -> None:
         files: dict[str, FileEntry] = {}
         for report in reports:
             for rel, (size, checksum) in report["files"].items():
@@ -768,7 +894,7 @@ class Coordinator:
                             topology=self.adapter.topology(), config=self.config,
                             timing={"save_s": round(elapsed_s, 3),
                                     **({"stall_s": round(stall_s, 3)} if stall_s is not None else {})},
-                            adapter=self.adapter.name)
+                            adapter=self.adapter.name, **(record or {}))
         self.run.write_manifest(manifest)
         log.info("resume: committed %s (%d files, %d bytes)", step_dirname(step), len(files),
                  manifest.total_bytes)
@@ -832,6 +958,11 @@ def _rebuild_error(name: str, message: str) -> ResumeError:
         exc.expected = exc.actual = None
         exc.hint = ""
     return exc
+
+
+def _moves_lr(item: str) -> bool:
+    """Whether an accepted change can move the LR ahead (the peak, any schedule setting)."""
+    return item.startswith("schedule") or item.rsplit(".", 1)[-1] in ("initial_lr", "lr", "base_lrs")
 
 
 def _as_json(value: Any, name: str) -> Any:

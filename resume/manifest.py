@@ -51,6 +51,12 @@ class Manifest:
     adapter: str = ""
     created_at: str = ""
     schema_version: int = SCHEMA_VERSION
+    user: dict[str, Any] = field(default_factory=dict)
+    """The program's own values (``Coordinator.user``: a stage, a curriculum position), readable
+    before the shards load (``Coordinator.peek()``)."""
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    """Settings changed on purpose at a restart (``accept_changes``): ``{step, item, from, to}``,
+    oldest first, carried from manifest to manifest."""
 
     def to_json(self) -> str:
         body = {
@@ -65,6 +71,8 @@ class Manifest:
             "config": self.config,
             "timing": self.timing,
             "expectation": self.expectation,
+            "user": self.user,
+            "changes": self.changes,
         }
         return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
@@ -105,9 +113,15 @@ class Manifest:
                 raise ManifestError(f"{source}: files[{path!r}].checksum: expected 'xxh3:<hex>', "
                                     f"actual {checksum!r}")
             files[path] = FileEntry(size, checksum)
-        for name in ("expectation", "topology", "config", "timing"):
+        for name in ("expectation", "topology", "config", "timing", "user"):
             if not isinstance(body.get(name, {}), dict):
                 raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
+        changes = body.get("changes", [])
+        if not (isinstance(changes, list) and all(
+                isinstance(c, dict) and isinstance(c.get("item"), str) and isinstance(c.get("step"), int)
+                and "from" in c and "to" in c for c in changes)):
+            raise ManifestError(f"{source}: changes: expected a list of {{step, item, from, to}}, "
+                                f"actual {changes!r:.80}")
         return cls(
             step=step,
             train_state=TrainState.from_dict(body.get("train_state"), source=source),
@@ -119,6 +133,8 @@ class Manifest:
             adapter=str(body.get("adapter", "")),
             created_at=str(body.get("created_at", "")),
             schema_version=version,
+            user=body.get("user", {}),
+            changes=changes,
         )
 
 

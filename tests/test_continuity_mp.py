@@ -62,7 +62,7 @@ def test_scheduler_rebuilt_with_another_length_is_caught(outcomes):
 
 
 def test_scheduler_rebuilt_with_another_peak_is_caught(outcomes):
-    assert outcomes["scheduler_other_peak"] == "schedule[0].base_lrs"
+    assert outcomes["scheduler_other_peak"] == "optimizer[0].group[0].initial_lr"
 
 
 def test_optimizer_moments_not_loaded_are_caught(outcomes):

@@ -317,8 +317,8 @@ def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_m
     # 2048 x 2048: past torch.save's 8 MiB buffer, the zip writer re-raises ENOSPC as a RuntimeError.
     model = torch.nn.Linear(2048, 2048)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = [{"ids": torch.tensor([i])} for i in range(10)]
-    coord = Coordinator(run_dir, NativeTorchAdapter(model, opt, None, data), global_batch=1, every=0,
+    # The loop below draws no batches: no data (a loader it drew around would be refused).
+    coord = Coordinator(run_dir, NativeTorchAdapter(model, opt, None, None), global_batch=1, every=0,
                         handle_signals=False)
     coord.restore()
     model(torch.randn(2, 2048)).sum().backward()
@@ -356,8 +356,7 @@ def test_zstd_compressed_shards_restore_bitwise(run_dir):
         torch.manual_seed(0)
         model = torch.nn.Linear(128, 128)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        data = [{"ids": torch.tensor([i])} for i in range(10)]
-        return model, opt, Coordinator(run_dir, NativeTorchAdapter(model, opt, None, data, compression=compression),
+        return model, opt, Coordinator(run_dir, NativeTorchAdapter(model, opt, None, None, compression=compression),
                                        global_batch=1, every=0, handle_signals=False)
 
     model, opt, coord = build("zstd")

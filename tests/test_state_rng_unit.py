@@ -243,14 +243,19 @@ def test_merged_batch_of_nothing_is_none():
     assert merge_batch_descriptions([[], []]) is None
 
 
+def fp(replicated: int = 0, sharded: int = 0, numel: int = 10) -> dict:
+    """A moment fingerprint: bit sums of plain (replicated) and DTensor (sharded) moments."""
+    return {"replicated": {"bits": {"exp_avg": replicated} if replicated else {}, "numel": numel if replicated else 0},
+            "sharded": {"bits": {"exp_avg": sharded} if sharded else {}, "numel": numel if sharded else 0}}
+
+
 def expectation() -> Expectation:
     return Expectation(
         next_batch=merge_batch_descriptions([[A, B], [C, D]]),
         lr_ahead=[[1e-4, 1e-5], [2e-4, 2e-5], [3e-4, 3e-5]],
         schedule=[{"kind": "cosine", "warmup": 10, "total": 1000, "peak": 3e-4}],
         optimizer_steps=[7],
-        optimizer=[[{"digest": "aaaa", "abs_sum": 1.5, "numel": 10}],
-                   [{"digest": "bbbb", "abs_sum": 2.5, "numel": 10}]],
+        optimizer=[[fp(replicated=0xAAAA, sharded=0x1111)], [fp(replicated=0xAAAA, sharded=0x2222)]],
         rng=["r0", "r1"],
         world_size=2,
     )
@@ -273,7 +278,8 @@ def _bump_digest(e):
 CASES = {
     "schedule[0].total": lambda e: e.schedule[0].update(total=2000),
     "optimizer.steps": lambda e: setattr(e, "optimizer_steps", [8]),
-    "optimizer[0].moments (rank 0)": lambda e: e.optimizer[0][0].update(digest="zzzz"),
+    "optimizer[0].moments (rank 0, replicated)": lambda e: e.optimizer[0][0]["replicated"]["bits"].update(
+        exp_avg=0xBBBB),
     "lr_ahead[+1]": lambda e: e.lr_ahead[1].__setitem__(1, 9e-9),
     "rng (rank 1)": lambda e: e.rng.__setitem__(1, "reseeded"),
     "next_batch.ids": _bump_ids,
@@ -305,10 +311,10 @@ def test_compare_reports_expected_and_actual_values():
 
 
 def test_zeroed_moments_hint_at_reinitialised_optimizer():
-    actual = changed(lambda e: e.optimizer[1][0].update(digest="0000", abs_sum=0.0))
+    actual = changed(lambda e: e.optimizer[1][0]["sharded"]["bits"].update(exp_avg=0))
     with pytest.raises(ContinuityError) as info:
         compare(expectation(), actual)
-    assert info.value.item == "optimizer[0].moments (rank 1)"
+    assert info.value.item == "optimizer[0].moments (rank 1, sharded)"
     assert "re-initialised" in str(info.value)
 
 
@@ -334,8 +340,11 @@ def test_end_of_data_versus_a_batch_names_next_batch():
 
 def test_resized_compare_ignores_rng_and_per_rank_moments():
     def resize(e):
+        # The sharded sums 0x1111 + 0x2222 spread over 4 ranks; the replicated one on each.
         e.rng = ["x0", "x1", "x2", "x3"]
-        e.optimizer = [[{"digest": f"shard{r}", "abs_sum": 1.0, "numel": 5}] for r in range(4)]
+        e.optimizer = [[fp(replicated=0xAAAA, sharded=s, numel=5)] for s in (0x1000, 0x0111, 0x2000, 0x0222)]
+        for r in e.optimizer:
+            r[0]["replicated"]["numel"] = 10
         e.world_size = 4
 
     actual = changed(resize)
@@ -371,13 +380,26 @@ def test_compare_config_names_the_key():
 def test_resize_still_catches_moments_that_were_not_loaded():
     from resume.continuity import Expectation, compare
 
-    def exp(abs_sums):
+    def exp(sums):
         return Expectation(next_batch=None, lr_ahead=[[0.1], [0.1]], optimizer_steps=[3],
-                           optimizer=[[{"digest": "x", "abs_sum": a, "numel": 4}] for a in abs_sums])
+                           optimizer=[[fp(sharded=a, numel=4 * 2 // len(sums))] for a in sums])
 
-    compare(exp([1.0, 1.0]), exp([2.0]), resized=True)  # reshaped, still there: fine
-    with pytest.raises(ContinuityError, match=r"optimizer\[0\]\.moments"):
-        compare(exp([1.0, 1.0]), exp([0.0]), resized=True)
+    compare(exp([1, 2]), exp([3]), resized=True)  # reshaped, the same total: fine
+    with pytest.raises(ContinuityError, match=r"optimizer\[0\]\.moments.*re-initialised"):
+        compare(exp([1, 2]), exp([0]), resized=True)
+
+
+def test_moment_sums_wrap_and_do_not_depend_on_sharding():
+    import torch
+    from resume.adapters.torch_native import _bits_view
+
+    values = torch.randn(1000)
+    whole, acc = _bits_view(values)
+    total = int(whole.sum(dtype=acc)) & 0xFFFFFFFF
+    for cut in (1, 333, 999):
+        parts = [int(_bits_view(p)[0].sum(dtype=acc)) & 0xFFFFFFFF for p in (values[:cut], values[cut:])]
+        assert (parts[0] + parts[1]) & 0xFFFFFFFF == total
+    assert int(_bits_view(torch.zeros(10))[0].sum(dtype=acc)) == 0
 
 
 def test_end_of_data_at_save_does_not_constrain_the_next_pass():
