@@ -53,9 +53,8 @@ class LRSchedule(Protocol):
 
 
 def is_lr_schedule(obj: Any) -> bool:
-    """An object with ``lr_at``, or a plain function (not a torch scheduler)."""
-    return callable(getattr(obj, "lr_at", None)) or isinstance(obj, types.FunctionType) or (
-        hasattr(obj, "func") and hasattr(obj, "args") and callable(obj))
+    """An object with ``lr_at``, or a function of the update count (a torch scheduler is neither)."""
+    return callable(getattr(obj, "lr_at", None)) or callable(obj)
 
 
 def lr_schedule_values(schedule: Any, updates: int) -> list[float]:
@@ -93,7 +92,9 @@ def describe_callable(fn: Any) -> Any:
     so the difference shows before a single update.
     """
     if isinstance(fn, types.MethodType):
-        return {"method": fn.__func__.__qualname__, "of": describe_callable(fn.__self__),
+        # Not the instance's attributes: they hold more than configuration (the rank, say).
+        # An object declares its configuration with describe().
+        return {"method": fn.__func__.__qualname__,
                 "code": xxhash.xxh3_64_hexdigest(fn.__func__.__code__.co_code)}
     if isinstance(fn, types.FunctionType):
         cells = []
