@@ -56,3 +56,19 @@ def test_runbook_command_and_flags_exist(source, line):
     for flag in flags:
         assert re.search(rf"(^|[\s,]){re.escape(flag)}\b", help_text, flags=re.MULTILINE), \
             f"{source}: {line}: {flag} is not an option of resume {' '.join(path)}"
+
+
+# Every refusal a restart can meet, as its message names it (resume.coordinator, resume.changes,
+# resume.continuity): the runbook for refused restarts explains each.
+REFUSALS = ["config.", "optimizers", "optimizer[i].class", "param_groups", "optimizer[i].group[j].<field>",
+            "schedule[i].<key>", "lr_ahead[+k]", "optimizer[i].moments", "optimizer.steps",
+            "scheduler[i].position", "next_batch.ids", "next_batch.digest", "rng (rank r)",
+            "lr at the first update", "lr applied at the first update", "lr after the first update",
+            "draw its batches through coord.batches()", "accept_changes", "NoValidCheckpointError",
+            "RunBusyError", "UnsafeCheckpointError", "RESUME_ACCEPT_CHANGES", "coord.peek()"]
+
+
+@pytest.mark.parametrize("item", REFUSALS)
+def test_the_restart_runbook_covers_every_refusal(item):
+    text = (pathlib.Path(__file__).parent.parent / "runbooks" / "restart-refused.md").read_text()
+    assert item in text
