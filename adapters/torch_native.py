@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import re
 import warnings
@@ -56,6 +57,8 @@ from .dcp_safe import (
     pickle_refusal,
     restricted_load_metadata,
 )
+
+log = logging.getLogger("resume")
 
 __all__ = ["NativeTorchAdapter", "TorchDistComm", "allreduce_each_gradient", "comm_for"]
 
@@ -406,7 +409,7 @@ class NativeTorchAdapter(Adapter):
                 groups.append({"name": _json_scalar(g.get("name")), "params": len(g["params"]),
                                "names": xxhash.xxh3_64_hexdigest("\n".join(fqns).encode()),
                                "settings": _group_settings(g, self.moving_settings)})
-            out.append({"class": type(opt).__name__, "groups": groups})
+            out.append({"class": type(opt).__name__, "groups": groups, "moving": sorted(self.moving_settings)})
         return out
 
     def lr_groups(self) -> list[str]:
@@ -437,50 +440,56 @@ class NativeTorchAdapter(Adapter):
                                                  else None for s in self.schedulers]}
 
     def apply_changes(self, items: list[str], snapshot: Any) -> None:
-        """After a load: put the code's values back for the accepted ``items`` (resume.changes)."""
-        peaks: dict[int, list[float]] = {}  # optimizer index -> group LRs before a peak change
+        """After a load: put the code's values back for the accepted ``items`` (resume.changes),
+        then set each affected optimizer's current LR once, from its schedule as it now is."""
+        old_lrs = {i: [_lr_value(g["lr"]) for g in opt.param_groups] for i, opt in enumerate(self.optimizers)}
+        old_peaks = {i: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+                     for i, opt in enumerate(self.optimizers)}
+        peaks_moved: set[int] = set()
+        reconfigured: set[int] = set()  # scheduler indices
         for item in items:
             m = _GROUP_ITEM.match(item)
             if m:
                 i, j, key = int(m[1]), int(m[2]), m[3]
-                group = self.optimizers[i].param_groups[j]
-                if key == "initial_lr":
-                    peaks.setdefault(i, [g.get("initial_lr", g["lr"]) for g in self.optimizers[i].param_groups])
-                code = snapshot["groups"][i][j]
+                group, code = self.optimizers[i].param_groups[j], snapshot["groups"][i][j]
                 if key in code:
                     group[key] = copy.deepcopy(code[key])
                 else:
                     group.pop(key, None)
+                if key == "initial_lr":
+                    peaks_moved.add(i)
                 continue
             m = _SCHEDULE_ITEM.match(item)
-            if m:
-                self._apply_scheduler_config(int(m[1]), snapshot["schedulers"][int(m[1])])
-        for i, old in peaks.items():
-            opt = self.optimizers[i]
-            new = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
-            for s in self.schedulers:
-                if _is_torch_scheduler(s) and getattr(s, "optimizer", None) is opt and hasattr(s, "base_lrs"):
-                    s.base_lrs = list(new)
-            _rescale_lrs(opt, old, new)
-
-    def _apply_scheduler_config(self, index: int, code_state: dict | None) -> None:
-        s = self.schedulers[index]
-        if code_state is None:  # a schedule of ours: its configuration is the code's already
-            return
-        loaded = s.state_dict()
-        old_bases = list(getattr(s, "base_lrs", []))
-        merged = {k: v for k, v in code_state.items() if k not in _DYNAMIC_SCHEDULER_KEYS}
-        merged.update({k: v for k, v in loaded.items() if k in _DYNAMIC_SCHEDULER_KEYS})
-        s.load_state_dict(merged)
-        new_bases = list(getattr(s, "base_lrs", []))
-        opt = getattr(s, "optimizer", None)
-        if opt is not None and old_bases and old_bases != new_bases:
-            closed = _closed_form_lrs(s)
+            if m and snapshot["schedulers"][int(m[1])] is not None:  # ours: the code's already
+                reconfigured.add(int(m[1]))
+        for k in sorted(reconfigured):
+            s, code_state = self.schedulers[k], snapshot["schedulers"][k]
+            loaded = s.state_dict()
+            merged = {key: v for key, v in code_state.items() if key not in _DYNAMIC_SCHEDULER_KEYS}
+            merged.update({key: v for key, v in loaded.items() if key in _DYNAMIC_SCHEDULER_KEYS})
+            s.load_state_dict(merged)
+        for i, opt in enumerate(self.optimizers):
+            driving = [k for k, s in enumerate(self.schedulers)
+                       if _is_torch_scheduler(s) and getattr(s, "optimizer", None) is opt]
+            touched = [k for k in driving if k in reconfigured]
+            if i not in peaks_moved and not touched:
+                continue
+            new_peaks = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+            if i in peaks_moved:
+                for k in driving:
+                    if hasattr(self.schedulers[k], "base_lrs"):
+                        self.schedulers[k].base_lrs = list(new_peaks)
+            closed = _closed_form_lrs(self.schedulers[driving[0]]) if len(driving) == 1 else None
             if closed is not None:
                 for g, lr in zip(opt.param_groups, closed):
                     g["lr"] = lr
+            elif i in peaks_moved:
+                for g, lr in zip(opt.param_groups, old_lrs[i]):
+                    g["lr"] = lr
+                _rescale_lrs(opt, old_peaks[i], new_peaks)
             else:
-                _rescale_lrs(opt, old_bases, new_bases)
+                log.warning("resume: the schedule of optimizer[%d] changed and has no closed form: its "
+                            "current LR stays %s until the schedule moves it", i, old_lrs[i])
 
     def _param_names(self) -> dict:
         names = {}

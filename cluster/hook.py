@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
 from resume.run import MEGATRON_LAYOUT, Run, detect_layout, utc_now
@@ -72,10 +73,17 @@ class HookConfig:
     """Ask for the save with this signal to the step instead of a save request: for Megatron-LM
     with --exit-signal-handler (it saves and exits on it). The hook then waits for a manifest
     newer than the last one, i.e. "committed", not "Megatron's tracker file changed"."""
+    accept_changes: tuple[str, ...] = ()
+    """Changed settings the training may accept at its restarts (resume.changes names): added
+    to ``RESUME_ACCEPT_CHANGES`` in the step's environment, at every launch and requeue."""
 
     def __post_init__(self) -> None:
         if not self.command:
             raise UsageError("slurm run: expected a launch command after --, actual none")
+        try:
+            object.__setattr__(self, "accept_changes", AcceptChanges.parse(self.accept_changes, env={}).names)
+        except UsageError as e:
+            raise UsageError(f"slurm run: --accept-change: {e}") from None
         for name in ("global_batch", "micro_batch", "nodes_per_replica", "tasks_per_node", "crash_loop"):
             if getattr(self, name) < 1:
                 raise UsageError(f"slurm run: --{name.replace('_', '-')}: expected >= 1, "
@@ -120,6 +128,7 @@ class Supervisor:
         self.clock = clock
         self.sleep = sleep
         self.env = dict(os.environ if env is None else env)
+        self.accept_env = self._accept_env()
         # With --exit-signal the run is a Megatron save directory, which may
         # still be empty at the first start; otherwise detected (again) as it fills.
         self.rundir = Run.open(cfg.run_url, create=True,
@@ -358,13 +367,24 @@ class Supervisor:
             if self.job.job_id.isdigit() else 29500
         tasks = len(nodes) * self.cfg.tasks_per_node
         env = dict(self.env, MASTER_ADDR=master, MASTER_PORT=str(port), RESUME_DP=str(dp),
-                   RESUME_LAUNCH=str(self.state.launches))
+                   RESUME_LAUNCH=str(self.state.launches), **self.accept_env)
         cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={tasks}",
                f"--ntasks-per-node={self.cfg.tasks_per_node}", f"--nodelist={','.join(nodes)}",
                "--kill-on-bad-exit=1", *self.cfg.command]
         self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
-                   master=f"{master}:{port}")
+                   master=f"{master}:{port}", **self.accept_env)
         return self.popen(cmd, env=env)
+
+    def _accept_env(self) -> dict[str, str]:
+        """``RESUME_ACCEPT_CHANGES`` for the step: the environment's names, then --accept-change's.
+        Checked here, once: a bad name would otherwise fail every rank of every launch."""
+        if not self.cfg.accept_changes:
+            return {}
+        try:
+            inherited = AcceptChanges.parse((), env=self.env).names
+        except UsageError as e:
+            raise UsageError(f"slurm run: {ACCEPT_ENV} in the environment: {e}") from None
+        return {ACCEPT_ENV: ",".join(dict.fromkeys(inherited + self.cfg.accept_changes))}
 
     def _supervise(self, proc: Any) -> str:
         while proc.poll() is None:

@@ -26,6 +26,8 @@ class SbatchTemplate:
     output: str = "resume-%j.out"
     exit_signal: str | None = None
     """Megatron-LM's --exit-signal: the hook asks for the save with it."""
+    accept_changes: tuple[str, ...] = ()
+    """Passed to the hook (``--accept-change``): the step's ``RESUME_ACCEPT_CHANGES`` at every requeue."""
     python: str = sys.executable
     """The interpreter (and so the environment) the hook runs in: the one writing the script."""
 
@@ -49,7 +51,8 @@ class SbatchTemplate:
                 "--nodes-per-replica", str(self.nodes_per_replica),
                 "--tasks-per-node", str(self.tasks_per_node), "--spares", str(self.spares),
                 "--grace", str(self.grace_s),
-                *(["--exit-signal", self.exit_signal] if self.exit_signal else []), "--", *self.command]
+                *(["--exit-signal", self.exit_signal] if self.exit_signal else []),
+                *(a for name in self.accept_changes for a in ("--accept-change", name)), "--", *self.command]
         lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
                  "# The hook is the batch script's main process (exec): it receives USR1/TERM,",
                  "# starts the training step with srun, saves, relaunches on spares, shrinks,",

@@ -67,15 +67,14 @@ class AcceptChanges:
 
     @classmethod
     def parse(cls, names: Iterable[str] | str | None, *, env: Mapping[str, str] = os.environ) -> AcceptChanges:
-        given = [names] if isinstance(names, str) else list(names or ())
-        given += [n for n in env.get(ACCEPT_ENV, "").split(",")]
+        given = [("accept_changes", n) for n in ([names] if isinstance(names, str) else list(names or ()))]
+        # In the environment, empty items (a trailing comma) are nothing; given by name, a mistake.
+        given += [(ACCEPT_ENV, n) for n in env.get(ACCEPT_ENV, "").split(",") if n.strip()]
         out = []
-        for name in given:
+        for source, name in given:
             name = name.strip() if isinstance(name, str) else name
-            if name == "":
-                continue
             if not isinstance(name, str) or not _NAME.match(name):
-                raise UsageError(f"accept_changes: expected names like 'weight_decay', 'optimizer[0]', "
+                raise UsageError(f"{source}: expected names like 'weight_decay', 'optimizer[0]', "
                                  f"'schedule[0].base_lrs', actual {name!r}")
             out.append(name)
         return cls(tuple(dict.fromkeys(out)))
@@ -138,9 +137,11 @@ def setting_changes(saved: list[dict], live: list[dict]) -> list[Change]:
     for i, (s, a) in enumerate(zip(saved, live)):
         for j, (sg, ag) in enumerate(zip(s.get("groups", []), a.get("groups", []))):
             s_set, a_set = sg.get("settings", {}), ag.get("settings", {})
-            # A field the checkpoint did not record (a newer torch added a default) is not a change.
+            moving = set(a.get("moving", []))
+            # A field the checkpoint did not record (a newer torch added a default) is not a change;
+            # nor is one the code now declares moving (the load restores it).
             for key in sorted(s_set):
-                if s_set[key] != a_set.get(key):
+                if key not in moving and s_set[key] != a_set.get(key):
                     out.append(Change(f"optimizer[{i}].group[{j}].{key}", s_set[key], a_set.get(key),
                                       _group_label(i, s, j, sg)))
     return out

@@ -397,7 +397,9 @@ def _derived_counters(run: Run, results: list[CheckResult]) -> dict:
 @json_option
 @command
 def inspect(run_url: str, step: int | None, as_json: bool) -> int:
-    """Show one checkpoint's manifest: counters, expectation, files, topology, config."""
+    """Show one checkpoint's manifest: counters, expectation, files, topology, config, the
+    program's own values (``user``) and the settings changed on purpose at restarts
+    (``changes``: step, item, from -> to; accept_changes / RESUME_ACCEPT_CHANGES)."""
     from .continuity import Expectation
 
     run = Run.open(run_url)
@@ -414,6 +416,11 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
                f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
     click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
     click.echo(f"  topology      {json.dumps(manifest.topology, sort_keys=True)}")
+    click.echo(f"  user          {json.dumps(manifest.user, sort_keys=True) if manifest.user else 'none'}")
+    click.echo(f"  changes       {len(manifest.changes) or 'none'}")
+    for change in manifest.changes:
+        item = change["item"] if change["item"].isprintable() else _shown(change["item"])
+        click.echo(f"    step {change['step']:<8} {item}: {_shown(change['from'])} -> {_shown(change['to'])}")
     nb = e.get("next_batch")
     if nb:
         ids = nb["ids"]
@@ -428,6 +435,12 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
     for rel, entry in sorted(manifest.files.items()):
         click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")
     return EXIT_OK
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """A JSON value on one line, cut at ``limit`` characters (``--json`` shows it whole)."""
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- plan / simulate ---------------------------------------------------------------------------
@@ -585,6 +598,14 @@ def hook_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+accept_change_option = click.option(
+    "--accept-change", "accept_changes", multiple=True, metavar="NAME",
+    help="A setting the training may change against the checkpoint at its restarts (repeatable; "
+         "names as in accept_changes: weight_decay, lr, optimizer[1], schedule[0].T_max). Added to "
+         "RESUME_ACCEPT_CHANGES in the training step's environment at every launch and requeue; the "
+         "change is recorded in the next manifest (resume inspect RUN); drop the option once it "
+         "is, or a later change of the same setting is accepted too. Exit 2 for a bad name.")
+
 exit_signal_option = click.option(
     "--exit-signal", default=None, metavar="SIGNAL",
     help="Ask for the save by sending SIGNAL to the step (Megatron-LM's --exit-signal-handler, "
@@ -599,23 +620,25 @@ exit_signal_option = click.option(
               help="Seconds between USR1/TERM and Slurm's kill: save, stop and requeue fit in it "
                    "[default: wait for the save as long as measured saves need].")
 @exit_signal_option
+@accept_change_option
 @click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                 metavar="-- COMMAND...")
 @command
 def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
               tasks_per_node: int, spares: int, crash_loop: int, grace: float | None,
-              exit_signal: str | None, command_args: tuple[str, ...]) -> int:
+              exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...]) -> int:
     """Start the training step with srun and supervise it (the batch script's main process)."""
     from .cluster.hook import HookConfig, Supervisor
     from .cluster.slurm import Slurm, SlurmJob
 
-    job = SlurmJob.from_env(os.environ)
-    cluster = Slurm()
-    cluster.check_installed()
+    # Usage first (exit 2), then the allocation (7) and the Slurm commands (6).
     cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
                      micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
                      tasks_per_node=tasks_per_node, spares=spares, crash_loop=crash_loop, grace_s=grace,
-                     exit_signal=exit_signal)
+                     exit_signal=exit_signal, accept_changes=accept_changes)
+    job = SlurmJob.from_env(os.environ)
+    cluster = Slurm()
+    cluster.check_installed()
     return Supervisor(cfg, job, cluster).run()
 
 
@@ -631,21 +654,24 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the script here instead of printing it.")
 @exit_signal_option
+@accept_change_option
 @click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                 metavar="-- COMMAND...")
 @command
 def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
              tasks_per_node: int, spares: int, nodes: int, grace: int | None, time_limit: str | None,
              partition: str | None, job_name: str, output: str, out_file: str | None,
-             exit_signal: str | None, command_args: tuple[str, ...]) -> int:
-    """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook."""
+             exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...]) -> int:
+    """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook
+    (with its --exit-signal and --accept-change options)."""
     from .cluster.hook import HookConfig
     from .cluster.template import SbatchTemplate
 
     # The hook's own checks, now rather than inside the allocation.
-    HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
-               micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
-               tasks_per_node=tasks_per_node, spares=spares, exit_signal=exit_signal)
+    cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
+                     micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
+                     tasks_per_node=tasks_per_node, spares=spares, exit_signal=exit_signal,
+                     accept_changes=accept_changes)
     if nodes < nodes_per_replica + spares:
         raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
                          f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")
@@ -654,7 +680,8 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
                             nodes_per_replica=nodes_per_replica, tasks_per_node=tasks_per_node,
                             spares=spares, grace_s=grace if grace is not None else _measured_grace(run_url),
                             job_name=job_name, time=time_limit, partition=partition,
-                            output=output, exit_signal=exit_signal).render()
+                            output=output, exit_signal=exit_signal,
+                            accept_changes=cfg.accept_changes).render()
     if out_file:
         with open(out_file, "w") as f:
             f.write(script)

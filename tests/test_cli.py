@@ -113,6 +113,70 @@ def test_inspect_shows_counters_and_expectation(run_copy):
     assert human.returncode == 0 and "iteration 30" in human.stdout
 
 
+@pytest.fixture
+def changed_run(tmp_path, monkeypatch):
+    """A real run restarted once with another peak LR (accepted through RESUME_ACCEPT_CHANGES),
+    with the program's own values in coord.user: checkpoints 3 (before) and 6 (after)."""
+    from workloads import Setup, build, train
+
+    from resume.changes import ACCEPT_ENV
+
+    run = str(tmp_path / "run")
+    monkeypatch.delenv(ACCEPT_ENV, raising=False)
+    coord, parts = build(0, 1, run, Setup(every=3, peak_lr=1e-2))
+    coord.restore()
+    coord.user["stage"] = "warmup"
+    train(coord, parts, until=3)
+    coord.close()
+    monkeypatch.setenv(ACCEPT_ENV, "lr")
+    coord, parts = build(0, 1, run, Setup(every=3, peak_lr=2e-2))
+    coord.restore()
+    assert coord.user == {"stage": "warmup"}
+    coord.user = {"stage": "main", "curriculum": 0.5}
+    train(coord, parts, until=6)
+    coord.close()
+    return run
+
+
+def test_inspect_shows_the_users_values_and_the_accepted_changes(changed_run):
+    proc = resume("inspect", changed_run, "--json")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(proc.stdout)
+    assert manifest["step"] == 6
+    assert manifest["user"] == {"stage": "main", "curriculum": 0.5}
+    assert manifest["changes"] == [
+        {"step": 3, "item": "optimizer[0].group[0].initial_lr", "from": 0.01, "to": 0.02},
+        {"step": 3, "item": "schedule[0].base_lrs", "from": [0.01], "to": [0.02]}]
+
+    human = resume("inspect", changed_run)
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    assert '  user          {"curriculum": 0.5, "stage": "main"}' in lines
+    assert "  changes       2" in lines
+    assert "    step 3        optimizer[0].group[0].initial_lr: 0.01 -> 0.02" in lines
+    assert "    step 3        schedule[0].base_lrs: [0.01] -> [0.02]" in lines
+
+    before = resume("inspect", changed_run, "--step", "3")
+    assert '  user          {"stage": "warmup"}' in before.stdout.splitlines()
+    assert "  changes       none" in before.stdout.splitlines()
+    assert json.loads(resume("inspect", changed_run, "--step", "3", "--json").stdout)["changes"] == []
+
+
+def test_inspect_shows_a_hand_edited_change_on_one_quoted_line(changed_run):
+    """A manifest is untrusted input: an item with control characters is quoted, a long value cut."""
+    def edit(text: str) -> str:
+        body = json.loads(text)
+        body["changes"] = [{"step": 3, "item": "x\x1b[2Jy\nz", "from": list(range(100)), "to": None}]
+        return json.dumps(body)
+
+    _rewrite_manifest(changed_run, 6, edit)
+    proc = resume("inspect", changed_run)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("    step 3"))
+    assert "\x1b" not in line and '"x\\u001b[2Jy\\nz"' in line
+    assert line.endswith("... -> null") and len(line) < 200
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

@@ -433,3 +433,91 @@ def test_template_passes_the_exit_signal_to_the_hook():
     script = SbatchTemplate(run_url="/ckpt/run", command=["python", "pretrain_gpt.py"], nodes=2,
                             global_batch=8, exit_signal="SIGTERM").render()
     assert "--exit-signal SIGTERM -- python pretrain_gpt.py" in script
+
+
+# -- accepted changes carried by the hook ------------------------------------------------------
+
+
+def accepting_hook(tmp_path, launcher, accept, env):
+    cfg = HookConfig(run_url=str(tmp_path / "run"), command=["train"], global_batch=8, poll_s=0.01,
+                     accept_changes=accept)
+    job = SlurmJob(job_id="42", nodes=["n1", "n2"], restart_count=1)
+    return Supervisor(cfg, job, FakeSlurm(), popen=launcher, sleep=lambda s: None, env=env)
+
+
+def test_accepted_changes_reach_every_launch_of_the_step_added_to_the_environments(tmp_path):
+    from resume.changes import ACCEPT_ENV, AcceptChanges
+
+    launcher = Launcher([lambda: FakeStep(1), lambda: FakeStep(0)])  # a failure, then a relaunch
+    sup = accepting_hook(tmp_path, launcher, ("weight_decay", "optimizer[1]", "eps"),
+                         {"PATH": "/bin", ACCEPT_ENV: "eps, betas"})
+    assert sup.run() == 0
+    assert len(launcher.launches) == 2
+    for launch in launcher.launches:
+        assert launch["env"][ACCEPT_ENV] == "eps,betas,weight_decay,optimizer[1]"
+        assert launch["env"]["PATH"] == "/bin"
+        # What the training's Coordinator makes of it.
+        assert AcceptChanges.parse(None, env=launch["env"]).accepts("optimizer[1].group[0].momentum")
+    assert [e.get(ACCEPT_ENV) for e in events(tmp_path) if e["event"] == "launch"] == [
+        "eps,betas,weight_decay,optimizer[1]"] * 2
+
+
+def test_without_accept_change_the_environment_passes_through_untouched(tmp_path):
+    from resume.changes import ACCEPT_ENV
+
+    launcher = Launcher([lambda: FakeStep(0), lambda: FakeStep(0)])
+    assert accepting_hook(tmp_path, launcher, (), {"PATH": "/bin"}).run() == 0
+    assert ACCEPT_ENV not in launcher.launches[0]["env"]
+    assert accepting_hook(tmp_path, launcher, (), {ACCEPT_ENV: "betas"}).run() == 0
+    assert launcher.launches[1]["env"][ACCEPT_ENV] == "betas"
+    assert all(ACCEPT_ENV not in e for e in events(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["a b", "weight_decay,eps", "optimizer[x]", ".eps", "lr;true"])
+def test_a_bad_accept_change_name_is_a_usage_error(tmp_path, name):
+    with pytest.raises(UsageError, match="--accept-change") as info:
+        HookConfig(run_url=str(tmp_path), command=["train"], global_batch=8,
+                   accept_changes=("weight_decay", name))
+    assert info.value.exit_code == 2
+
+
+def test_a_bad_name_already_in_the_environment_stops_the_hook_before_any_launch(tmp_path):
+    from resume.changes import ACCEPT_ENV
+
+    launcher = Launcher([lambda: FakeStep(0)])
+    with pytest.raises(UsageError, match=f"{ACCEPT_ENV} in the environment.*'a b'"):
+        accepting_hook(tmp_path, launcher, ("eps",), {ACCEPT_ENV: "a b"})
+    assert launcher.launches == []
+
+
+def test_template_passes_accepted_changes_to_the_hook():
+    script = SbatchTemplate(run_url="/ckpt/run", command=["python", "train.py"], nodes=2, global_batch=8,
+                            accept_changes=("weight_decay", "optimizer[1]")).render()
+    assert "--accept-change weight_decay --accept-change 'optimizer[1]' -- python train.py" in script
+    assert "RESUME_ACCEPT_CHANGES" not in script  # the hook sets it for the step, at every launch
+
+
+def test_slurm_template_command_writes_accept_change_and_refuses_a_bad_name(tmp_path):
+    from click.testing import CliRunner
+
+    from resume.cli import cli
+
+    base = ["slurm", "template", "--run", str(tmp_path / "run"), "--nodes", "2", "--global-batch", "8",
+            "--grace", "120"]
+    ok = CliRunner().invoke(cli, [*base, "--accept-change", "lr", "--accept-change", "schedule[0].T_max",
+                                  "--", "python", "train.py"])
+    assert ok.exit_code == 0, ok.output
+    assert "--accept-change lr --accept-change 'schedule[0].T_max' -- python train.py" in ok.output
+    bad = CliRunner().invoke(cli, [*base, "--accept-change", "weight decay", "--", "python", "train.py"])
+    assert bad.exit_code == 2
+    assert "--accept-change" in bad.output and "'weight decay'" in bad.output
+
+
+def test_slurm_run_with_a_bad_accept_change_exits_2_before_looking_for_slurm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-m", "resume.cli", "slurm", "run", "--run", str(tmp_path),
+                           "--global-batch", "8", "--accept-change", "a b", "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("resume: error: slurm run: --accept-change")
+    assert "'a b'" in proc.stderr and "\n" not in proc.stderr.strip()
