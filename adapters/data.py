@@ -10,20 +10,77 @@ the same for any data-parallel size; only who computes which slice changes.
 the training process (no prefetch), so its state is exact at every boundary.
 Any other loader with ``state_dict``/``load_state_dict`` works with the
 adapter too.
+
+torchdata's ``StatefulDataLoader`` (optional: ``pip install torchdata>=0.11``;
+this module never imports it) with worker processes::
+
+    loader = StatefulDataLoader(IndexedDataset(dataset), num_workers=2,
+                                batch_sampler=GlobalPositionSampler(len(dataset), global_batch,
+                                                                    rank=rank, world_size=dp))
+
+continues with exactly the next batch across a kill, on the same and on another
+data-parallel size (global batch kept). The workers prefetch, so the sampler
+in the training process runs ``prefetch_factor * num_workers`` batches ahead
+of what the loop got; the loader's ``state_dict`` is right all the same (it
+snapshots the sampler's state as each batch's indices are drawn and hands out
+the one of the last batch yielded), and that is what the adapter saves (read
+``loader.state_dict()``, never ``sampler.state_dict()``, with workers). The
+saved state is the global offset, so a rank of another data-parallel size
+takes it as it is. ``IndexedDataset`` adds each sample's index as ``ids``,
+what the continuity check records. Every DataLoader iterator draws its
+workers' seed from torch's generator when it is made: the restored iterator is
+made without that draw (the saved random state is after the saving run's), so
+dropout and the like go on bitwise. ``loader_state``/``load_loader_state`` wrap
+the loader's state with what a restore must check first:
+
+* ``num_workers`` must be as saved (torchdata keeps one state per worker and
+  refuses another count with an assertion): ``ContinuityError`` ``data.num_workers``.
+* torch's ``DistributedSampler`` (or torchdata's ``StatefulDistributedSampler``)
+  as ``sampler=`` continues exactly on the same data-parallel size (its state
+  is this rank's count of samples drawn, and the user's ``set_epoch`` must put
+  the epoch back), but not on another one: that count is not a position in the
+  global stream (restored on 1 of 2 ranks it would resume at half the global
+  position). Restored on another size it is refused, ``ContinuityError``
+  ``data.sampler.num_replicas``, naming ``GlobalPositionSampler`` as the way.
+* Another sampler class than the one saved: ``ContinuityError`` ``data.sampler``.
+* ``in_order=False``: torchdata gives no guarantee for its state with workers,
+  so it is refused when iterated or saved (``UsageError``), before a wrong next
+  batch could be recorded.
+
+Anything else (an ``IterableDataset`` with its own state, a custom sampler) is
+saved as the loader gives it; the continuity check then compares the first
+batch after the restore with the one recorded at the save. Randomness inside
+the workers (augmentation) restarts from each worker's seed after a restore
+unless the dataset itself is ``Stateful`` (torchdata then saves each worker's
+copy of its state).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["GlobalPositionSampler", "StatefulLoader"]
+from resume.errors import ContinuityError, UsageError
+
+from . import jsonstate
+
+__all__ = ["GlobalPositionSampler", "IndexedDataset", "StatefulLoader", "check_loader",
+           "load_loader_state", "loader_state"]
+
+STATEFUL_DATA_LOADER = "torchdata.StatefulDataLoader"
+"""The tag of a wrapped ``StatefulDataLoader`` state (its ``__loader__`` field)."""
 
 
 class GlobalPositionSampler:
-    """Yields, per global batch, the dataset indices of this rank's slice."""
+    """Yields, per global batch, the dataset indices of this rank's slice.
+
+    A batch sampler (``StatefulDataLoader(..., batch_sampler=this)``) that is
+    torchdata ``Stateful`` (``state_dict``/``load_state_dict``): its state is the
+    global offset of the next batch it draws, the same on every rank.
+    """
 
     def __init__(self, num_samples: int, global_batch: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True) -> None:
@@ -100,3 +157,143 @@ class StatefulLoader:
 
 def _stack(items: list[dict]) -> dict:
     return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+
+class IndexedDataset:
+    """``dataset[i]`` (a dict) with ``ids`` = ``i`` added: the sample ids the continuity check
+    records, for a loader that collates the items itself (``StatefulDataLoader``, ``DataLoader``)."""
+
+    def __init__(self, dataset: Any, key: str = "ids") -> None:
+        self.dataset = dataset
+        self.key = key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.dataset[index]
+        if not isinstance(item, dict):
+            raise TypeError(f"IndexedDataset: expected dataset items that are dicts, actual "
+                            f"{type(item).__name__}")
+        return {**item, self.key: index}
+
+
+# -- torchdata's StatefulDataLoader (looked up, never imported: torchdata is optional) --------
+
+def _is_stateful_data_loader(loader: Any) -> bool:
+    module = sys.modules.get("torchdata.stateful_dataloader.stateful_dataloader")
+    cls = getattr(module, "StatefulDataLoader", None)
+    return cls is not None and isinstance(loader, cls)
+
+
+def _position_sampler(loader: Any) -> Any:
+    """What decides the order: the sampler inside a ``BatchSampler`` (``sampler=`` with
+    ``batch_size=``, or a torch ``BatchSampler`` given as ``batch_sampler=``), else the batch
+    sampler given, else the sampler (``batch_size=None``)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is None:
+        return getattr(loader, "sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    if isinstance(batch_sampler, torch.utils.data.BatchSampler) and inner is not None:
+        return inner
+    return batch_sampler
+
+
+def _describe_sampler(sampler: Any) -> dict:
+    out: dict[str, Any] = {"class": type(sampler).__name__}
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        out.update(num_replicas=int(sampler.num_replicas), rank=int(sampler.rank))
+    return out
+
+
+def check_loader(loader: Any) -> None:
+    """Refuse a loader whose saved state would not give exactly the next batch (``UsageError``)."""
+    if not _is_stateful_data_loader(loader):
+        return
+    if isinstance(getattr(loader, "sampler", None), GlobalPositionSampler):
+        raise UsageError("StatefulDataLoader: GlobalPositionSampler yields whole batches: pass it as "
+                         "batch_sampler=, not sampler=")
+    if loader.num_workers > 0 and not loader.in_order:
+        raise UsageError("StatefulDataLoader(in_order=False): with worker processes its state_dict is "
+                         "not exact (torchdata gives no guarantee), so the next batch after a restart "
+                         "would not be the one recorded: use in_order=True (the default)")
+
+
+def loader_state(loader: Any) -> Any:
+    """The loader's position as JSON (None for a loader without ``state_dict``), taken as it is
+    now, i.e. after the batches the training loop got, before the next one is fetched."""
+    if _is_stateful_data_loader(loader):
+        check_loader(loader)
+        # Whether the loop was iterating already: if not, this very state_dict() makes the
+        # iterator, and with it draws its seed from torch's generator (see _iterator_as_saved).
+        iterating = getattr(loader, "_iterator", None) is not None
+        return {"__loader__": STATEFUL_DATA_LOADER, "num_workers": int(loader.num_workers),
+                "sampler": _describe_sampler(_position_sampler(loader)), "iterating": iterating,
+                "state": jsonstate.encode(loader.state_dict())}
+    state_dict = getattr(loader, "state_dict", None)
+    return jsonstate.encode(state_dict()) if callable(state_dict) else None
+
+
+def load_loader_state(loader: Any, state: Any) -> None:
+    """Put a ``loader_state`` back; a state that cannot give the saved next batch is refused
+    (``ContinuityError`` naming the item) before anything is loaded. A loader without
+    ``load_state_dict`` keeps its position (the continuity check reports it)."""
+    if isinstance(state, dict) and "__loader__" in state:
+        if state["__loader__"] != STATEFUL_DATA_LOADER:
+            raise ContinuityError("data.loader", state["__loader__"], type(loader).__name__,
+                                  "a loader this version does not know saved this state")
+        if not _is_stateful_data_loader(loader):
+            raise ContinuityError("data.loader", "StatefulDataLoader (as saved)", type(loader).__name__,
+                                  "the saved position is torchdata's StatefulDataLoader state: restart "
+                                  "with that loader")
+        _check_compatible(loader, state)
+        loader.load_state_dict(jsonstate.decode(state["state"]))
+        if state.get("iterating", True):
+            _iterator_as_saved(loader)
+        return
+    load = getattr(loader, "load_state_dict", None)
+    if state is not None and callable(load):
+        load(jsonstate.decode(state))
+
+
+def _iterator_as_saved(loader: Any) -> None:
+    """Make the restored iterator now without touching any generator.
+
+    Every DataLoader iterator draws its workers' base seed from torch's generator (or the
+    loader's ``generator``) when it is made. The run that saved made its iterator before
+    the save and the random state it saved is after that draw; a restarted run that drew
+    again would run its dropout (anything random) one draw off. ``state_dict()`` makes the
+    iterator from the loaded state and keeps it for the next ``iter(loader)``; the base seed
+    then comes from the saved state. (A state taken before the first iteration is left to
+    draw when the iterator is made, after the random state is restored, as the saving run did.)
+    """
+    generator = getattr(loader, "generator", None)
+    saved = generator.get_state() if generator is not None else None
+    with torch.random.fork_rng(devices=[]):
+        loader.state_dict()
+    if generator is not None:
+        generator.set_state(saved)
+
+
+def _check_compatible(loader: Any, state: dict) -> None:
+    saved_workers, workers = int(state["num_workers"]), int(loader.num_workers)
+    if saved_workers != workers:
+        raise ContinuityError("data.num_workers", f"{saved_workers} (as saved)", workers,
+                              "StatefulDataLoader keeps one state per worker process and restores only "
+                              f"the same count: restart with num_workers={saved_workers}")
+    saved, live = state["sampler"], _describe_sampler(_position_sampler(loader))
+    if saved["class"] != live["class"]:
+        raise ContinuityError("data.sampler", f"{saved['class']} (as saved)", live["class"],
+                              "the saved position is that sampler's: restart with the same sampler")
+    if "num_replicas" in saved and saved["num_replicas"] != live.get("num_replicas"):
+        raise ContinuityError(
+            "data.sampler.num_replicas", f"{saved['num_replicas']} (as saved)", live.get("num_replicas"),
+            f"StatefulDataLoader with {saved['class']} saves this rank's count of samples drawn, which "
+            "is no position on another data-parallel size: restart on the saved size, or train with "
+            "batch_sampler=resume.adapters.data.GlobalPositionSampler (state: the global sample "
+            "offset, any data-parallel size)")
+    if "rank" in saved and saved["rank"] != live.get("rank"):
+        raise ContinuityError("data.sampler.rank", f"{saved['rank']} (as saved)", live.get("rank"),
+                              f"{saved['class']}'s state is one rank's: each rank must load its own")

@@ -51,6 +51,7 @@ from resume.schedule import describe_callable, describe_lr_schedule, is_lr_sched
 from resume.storage import Storage
 
 from . import jsonstate
+from .data import check_loader, load_loader_state, loader_state
 from .dcp_io import make_reader, make_writer, without_torch_crc32
 from .dcp_safe import (
     SafeLoadPlanner,
@@ -296,16 +297,16 @@ class NativeTorchAdapter(Adapter):
     def data_iterator(self) -> Iterator[Any]:
         if self.data is None:
             raise ValueError("NativeTorchAdapter: data: expected an iterable of batches, actual None")
+        check_loader(self.data)  # e.g. a StatefulDataLoader whose state would not be exact
         return iter(self.data)
 
     def data_state(self) -> Any:
-        state_dict = getattr(self.data, "state_dict", None)
-        return jsonstate.encode(state_dict()) if callable(state_dict) else None
+        # torchdata's StatefulDataLoader is wrapped with what a restore checks first
+        # (num_workers, the sampler); any other loader's state_dict as it is.
+        return loader_state(self.data)
 
     def load_data_state(self, state: Any) -> None:
-        load = getattr(self.data, "load_state_dict", None)
-        if state is not None and callable(load):
-            load(jsonstate.decode(state))
+        load_loader_state(self.data, state)
 
     def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
         if isinstance(batch, dict):

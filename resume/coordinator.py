@@ -548,11 +548,18 @@ class Coordinator:
         rank_state = self._agree(self.comm.all_gather_object(staged),
                                  f"restore of {step_dir}")[self.rank]["state"]
         self.adapter.load_shards(self.run.storage, step_dir)
-        self.adapter.load_state_dict(rank_state["adapter"])
-        self.adapter.load_data_state(rank_state["data"])
-        self.rng.restore(rank_state["rng"])
-        if accepted:
-            self.adapter.apply_changes([c.item for c in accepted], code_settings)
+
+        def load_local() -> dict:
+            # Data before RNG: a restored loader must not draw from the restored generators.
+            self.adapter.load_state_dict(rank_state["adapter"])
+            self.adapter.load_data_state(rank_state["data"])
+            self.rng.restore(rank_state["rng"])
+            if accepted:
+                self.adapter.apply_changes([c.item for c in accepted], code_settings)
+            return {}
+        # A refusal on one rank (a loader state it cannot take) is raised on every rank, not
+        # left for the others to find as a hang in the next collective.
+        self._agree(self.comm.all_gather_object(self._guarded(load_local)), f"restore of {step_dir}")
         self.state = TrainState.from_dict(manifest.train_state.to_dict(), source=source)
         self._iterator = None
         self._lookahead = None
