@@ -17,7 +17,9 @@ adds what it lacks:
   ``args.ckpt_step`` when its tracker names a newer, unverified one), the
   pickles Megatron will unpickle read first with restricted loaders, and the
   run's arguments checked against what the checkpoint recorded (config, and
-  the LR the arguments' schedule gives at the next updates);
+  the LR the arguments' schedule gives at the next updates); with
+  ``--use-checkpoint-opt_param-scheduler``, a warning for each schedule argument
+  Megatron will ignore, naming its value and the checkpoint's, which Megatron uses;
 - after each load, the continuity check on the live objects: counters,
   scheduler position, LR ahead, schedule, next batch, RNG; a mismatch raises
   ``ContinuityError`` before the first iteration.
@@ -68,7 +70,7 @@ from resume.state import TrainState
 from resume.storage import join, open_storage
 
 from .megatron_ckpt import CommonState, iteration_dirs, read_common_state, read_tracker, require_torch_dist
-from .megatron_schedule import MegatronSchedule
+from .megatron_schedule import MegatronSchedule, ScheduleArgument, schedule_arguments
 
 __all__ = ["MegatronRecorder", "install", "next_batch_ids"]
 
@@ -319,7 +321,10 @@ class MegatronRecorder:
         rank checksums its share; a checkpoint that fails is passed over for the
         next older one. Megatron is pointed at the choice (``args.ckpt_step``)
         when its tracker names another. Whatever Megatron will load, its pickles
-        are read first with restricted loaders.
+        are read first with restricted loaders. The run's arguments are checked
+        against the record (refused: another config, or another LR ahead); with
+        ``--use-checkpoint-opt_param-scheduler`` rank 0 logs a warning for each
+        schedule argument Megatron will ignore for the checkpoint's value.
         """
         self.loaded = None
         check_supported(args)
@@ -368,7 +373,7 @@ class MegatronRecorder:
         source = self.run.storage.url(self.run.manifest_path(chosen.step))
         # The run's arguments against the record, before Megatron touches anything.
         self._check_arguments(chosen, args, source)
-        self._on_rank0(lambda: self._vet_pickles(chosen.step, chosen))
+        self._on_rank0(lambda: self._vet_pickles_and_name_ignored(chosen.step, chosen, args))
         tracker = self._on_rank0(lambda: _tracker_or_none(self.run.storage))
         if tracker != chosen.step:
             if tracker is None and getattr(args, "pretrained_checkpoint", None):
@@ -419,8 +424,9 @@ class MegatronRecorder:
         _raise_any(gathered, "checksum verification", exc)
         return [p for g in gathered for p in g["problems"]]
 
-    def _vet_pickles(self, step: int, manifest: Manifest | None) -> None:
-        """Every pickle Megatron will unpickle, read first with restricted loaders.
+    def _vet_pickles(self, step: int, manifest: Manifest | None) -> dict | None:
+        """Every pickle Megatron will unpickle, read first with restricted loaders; the
+        scheduler state Megatron will load (None when the checkpoint has none).
 
         With a manifest, a file in the directory that it does not list is refused:
         Megatron would read e.g. a planted ``common.pt``.
@@ -432,8 +438,17 @@ class MegatronRecorder:
                 raise UnsafeCheckpointError(f"{self.run.storage.url(d)}: files: expected only those the "
                                             f"manifest lists, actual also {unlisted[:5]} (refused)")
         require_torch_dist(self.run.storage, step)
-        read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
+        common = read_common_state(self.run.storage, step)  # .metadata via the allow-list, then the entry
         vet_byte_entries(self.run.storage, d)
+        return common.scheduler
+
+    def _vet_pickles_and_name_ignored(self, step: int, manifest: Manifest, args: Any) -> None:
+        """Rank 0: vet the pickles; with --use-checkpoint-opt_param-scheduler, a warning for each
+        argument Megatron will ignore for the value in the scheduler state it is about to load."""
+        state = self._vet_pickles(step, manifest)
+        if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+            for message in ignored_schedule_arguments(args, state):
+                log.warning("resume: %s: %s", MEGATRON_LAYOUT.dirname(step), message)
 
     def _check_arguments(self, manifest: Manifest, args: Any, source: str) -> None:
         compare_config(manifest.config, _config(args))
@@ -442,16 +457,32 @@ class MegatronRecorder:
         recorded = mega.get("lr_schedule_ahead")
         if not isinstance(position, int) or not isinstance(recorded, list):
             return
+        update = manifest.train_state.updates_successful
         if getattr(args, "use_checkpoint_opt_param_scheduler", False):
-            return  # Megatron takes the checkpoint's schedule, not the arguments'; after_load checks it
-        planned = MegatronSchedule.from_args(args).lr_ahead(position, args.global_batch_size, len(recorded))
-        flat = [row[0] for row in planned]
+            # Megatron keeps the checkpoint's lengths and style (the arguments it ignores are
+            # named once the pickles are vetted); what it still takes from the arguments must
+            # give the recorded LR.
+            saved = manifest.expectation.get("schedule")
+            if not (isinstance(saved, list) and saved):
+                return
+            kept = MegatronSchedule.from_dict(saved[0], source=source)
+            schedule = MegatronSchedule.from_args(args, checkpoint=kept)
+            which = [f"{flag} {getattr(schedule, name)} (the checkpoint's {getattr(kept, name)})"
+                     for name, flag in STILL_FROM_ARGUMENTS if getattr(schedule, name) != getattr(kept, name)]
+            who = f"the run's {', '.join(which) or '--lr, --min-lr'} give{'s' if len(which) == 1 else ''}"
+            why = ("; with --use-checkpoint-opt_param-scheduler Megatron keeps the checkpoint's warm-up, "
+                   "decay length and style, but --lr and --min-lr still apply (every param group of "
+                   "Megatron-Core's optimizer keeps them) and its scheduler does not save --lr-warmup-init "
+                   "or the WSD length")
+        else:
+            schedule = MegatronSchedule.from_args(args)
+            who, why = "the run's arguments (--lr, --min-lr, --lr-warmup-*, --lr-decay-*) give", ""
+        flat = [row[0] for row in schedule.lr_ahead(position, args.global_batch_size, len(recorded))]
         if flat != recorded:
             i = next(i for i, (a, b) in enumerate(zip(recorded, flat)) if a != b)
-            error = ContinuityError(
-                f"lr_ahead[+{i}]", recorded[i], flat[i],
-                "the run's arguments (--lr, --min-lr, --lr-warmup-*, --lr-decay-*) give another LR "
-                f"at update {manifest.train_state.updates_successful + i + 1} than the checkpoint's schedule")
+            error = ContinuityError(f"lr_ahead[+{i}]", recorded[i], flat[i],
+                                    f"{who} another LR at update {update + i + 1} than the checkpoint's "
+                                    f"schedule{why}")
             if not self.accept_schedule_change:
                 raise error
             log.warning("resume: accepted schedule change: %s", error)
@@ -631,6 +662,72 @@ def _tracker_or_none(storage: Any) -> int | None:
         return read_tracker(storage)
     except (OSError, ResumeError):
         return None
+
+
+# What Megatron takes from the arguments even with --use-checkpoint-opt_param-scheduler:
+# MegatronSchedule field -> the argument.
+STILL_FROM_ARGUMENTS = (("max_lr", "--lr"), ("min_lr", "--min-lr"), ("init_lr", "--lr-warmup-init"),
+                        ("wsd_decay_steps", "--lr-wsd-decay-samples/iters"),
+                        ("lr_wsd_decay_style", "--lr-wsd-decay-style"))
+
+# What each field of the scheduler's state decides, for the warnings.
+FIELD_MEANING = {"lr_decay_steps": "the LR decay length", "lr_warmup_steps": "the LR warm-up length",
+                 "lr_decay_style": "the LR decay style", "start_wd": "the weight decay",
+                 "end_wd": "the weight decay", "wd_incr_steps": "the weight-decay increment length",
+                 "wd_incr_style": "the weight-decay increment style"}
+
+# The fields Megatron-Core 0.19.2's OptimizerParamScheduler.load_state_dict restores only after
+# it has stepped to the loaded position, a step that set every group's weight decay from the
+# arguments' values: the first update after the restart applies that weight decay.
+WEIGHT_DECAY_FIELDS = frozenset({"start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"})
+
+
+def ignored_schedule_arguments(args: Any, checkpoint: dict | None) -> list[str]:
+    """With ``--use-checkpoint-opt_param-scheduler``: a line for each argument whose value
+    Megatron ignores for the checkpoint's, naming the argument and both values.
+
+    ``checkpoint`` is the ``opt_param_scheduler`` state Megatron will load. Not named: ``--lr``
+    and ``--min-lr`` (the optimizer's param groups carry them, so they still apply, and the LR
+    check covers them); a field the checkpoint lacks (Megatron keeps the argument's then) or
+    holds no plain value for; the weight-decay increment length while the increment style is
+    constant (it has no effect).
+    """
+    if not checkpoint:
+        return []
+    lines = []
+    for arg in schedule_arguments(args):
+        if arg.in_param_groups or not all(_plain(checkpoint.get(f, None)) for f in arg.fields):
+            continue
+        changed = [f for f, value in arg.fields.items() if checkpoint[f] != value
+                   and not (f == "wd_incr_steps" and checkpoint.get("wd_incr_style") == "constant")]
+        if changed:
+            lines.append(_describe_ignored(arg, checkpoint, args.global_batch_size, changed))
+    return lines
+
+
+def _plain(value: Any) -> bool:
+    """A value the comparison and the message can use (the state came from an untrusted file:
+    a number, or a short printable word)."""
+    if isinstance(value, str):
+        return len(value) <= 64 and value.isprintable()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _describe_ignored(arg: ScheduleArgument, checkpoint: dict, global_batch: int, changed: list[str]) -> str:
+    given, kept = f"{arg.flag} {arg.given}", f"{arg.checkpoint_value(checkpoint, global_batch)}"
+    if arg.default_of:
+        given += f" (= {arg.default_of}, its default)"
+    if arg.unit in ("iterations", "fraction") and len(arg.fields) == 1:
+        (name,) = arg.fields
+        given += f" ({arg.fields[name]} samples)"
+        kept += f" ({checkpoint[name]} samples)"
+    what = " and ".join(dict.fromkeys(FIELD_MEANING.get(f, f) for f in changed))
+    line = (f"Megatron ignores {given} from the command line for {what} and continues with the "
+            f"checkpoint's {kept} (--use-checkpoint-opt_param-scheduler)")
+    if WEIGHT_DECAY_FIELDS.intersection(changed):
+        line += ("; the first update after the restart still applies the command line's weight decay "
+                 "(Megatron-Core steps the scheduler before it restores the weight-decay fields)")
+    return line
 
 
 def check_supported(args: Any) -> None:

@@ -8,6 +8,10 @@ what the LR at the next updates will be. This is the arithmetic of
 Megatron's, not merely close (tests compare them with ``==`` at the reference
 schedule's corners and at 1,000 random points against the real class).
 
+``schedule_arguments`` says which ``megatron.training`` argument sets which field
+of the scheduler's saved state, and to what (the restart check names an argument
+Megatron ignores under ``--use-checkpoint-opt_param-scheduler`` with it).
+
 Positions are in Megatron's own unit: ``num_steps`` counts samples (each
 successful update advances it by the global batch, in sample-based and in
 iteration-based training alike).
@@ -21,7 +25,7 @@ from typing import Any
 
 from resume.errors import ManifestError, UsageError
 
-__all__ = ["MegatronSchedule"]
+__all__ = ["MegatronSchedule", "ScheduleArgument", "schedule_arguments"]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -115,29 +119,30 @@ class MegatronSchedule:
     # -- where the configuration comes from ----------------------------------------------
 
     @classmethod
-    def from_args(cls, args: Any) -> MegatronSchedule:
-        """The schedule ``megatron.training`` builds from its arguments (get_optimizer_param_scheduler)."""
-        gbs = args.global_batch_size
-        # Samples first: Megatron fills in args.train_iters from train_samples
-        # while it builds the scheduler, so both are set afterwards.
-        if getattr(args, "train_samples", None):
-            decay = args.lr_decay_samples or args.train_samples
-            wsd = getattr(args, "lr_wsd_decay_samples", None)
-            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                      else args.lr_warmup_samples)
-        elif getattr(args, "train_iters", None):
-            decay = (args.lr_decay_iters or args.train_iters) * gbs
-            wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
-            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                      else args.lr_warmup_iters * gbs)
-        else:
-            raise UsageError("arguments: expected --train-iters or --train-samples, actual neither")
-        wsd_style = getattr(args, "lr_wsd_decay_style", None)
-        if args.lr_decay_style != "WSD":  # the WSD fields are read only by that style
-            wsd, wsd_style = None, None
-        return cls(init_lr=args.lr_warmup_init, max_lr=float(args.lr), min_lr=args.min_lr,
-                   lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
-                   wsd_decay_steps=wsd, lr_wsd_decay_style=wsd_style)
+    def from_args(cls, args: Any, *, checkpoint: MegatronSchedule | None = None) -> MegatronSchedule:
+        """The schedule ``megatron.training`` builds from its arguments (get_optimizer_param_scheduler).
+
+        With ``checkpoint``: the schedule it runs after loading that checkpoint with
+        ``--use-checkpoint-opt_param-scheduler``. The warm-up, the decay length and the
+        decay style are the checkpoint's; ``--lr`` and ``--min-lr`` stay the arguments'
+        (Megatron-Core's optimizer keeps them in every param group, and ``get_lr`` reads
+        them there first), as do ``--lr-warmup-init`` and the WSD arguments (the scheduler
+        does not save them).
+        """
+        saved = {f: v for argument in schedule_arguments(args) for f, v in argument.fields.items()}
+        if checkpoint is not None:
+            saved.update(lr_warmup_steps=checkpoint.lr_warmup_steps, lr_decay_steps=checkpoint.lr_decay_steps,
+                         lr_decay_style=checkpoint.lr_decay_style)
+        wsd, wsd_style = None, None
+        if saved["lr_decay_style"] == "WSD":  # the WSD fields are read only by that style
+            wsd_style = getattr(args, "lr_wsd_decay_style", None)
+            if getattr(args, "train_samples", None):
+                wsd = getattr(args, "lr_wsd_decay_samples", None)
+            elif getattr(args, "lr_wsd_decay_iters", None) is not None:
+                wsd = args.lr_wsd_decay_iters * args.global_batch_size
+        return cls(init_lr=args.lr_warmup_init, max_lr=saved["max_lr"], min_lr=saved["min_lr"],
+                   lr_warmup_steps=saved["lr_warmup_steps"], lr_decay_steps=saved["lr_decay_steps"],
+                   lr_decay_style=saved["lr_decay_style"], wsd_decay_steps=wsd, lr_wsd_decay_style=wsd_style)
 
     @classmethod
     def from_scheduler(cls, scheduler: Any) -> MegatronSchedule:
@@ -182,3 +187,96 @@ class MegatronSchedule:
             return cls(**data)
         except (TypeError, UsageError) as e:
             raise ManifestError(f"{source}: schedule: {e}") from e
+
+
+# -- the arguments behind the scheduler's saved fields ------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleArgument:
+    """A ``megatron.training`` argument, and the fields of ``OptimizerParamScheduler.state_dict()`` it sets."""
+
+    flag: str
+    """As Megatron's parser spells it, e.g. ``--lr-decay-samples``."""
+    given: Any
+    """Its value in the run's arguments."""
+    fields: dict[str, Any]
+    """State-dict field -> the value ``get_optimizer_param_scheduler`` builds from ``given``."""
+    unit: str = "value"
+    """``samples``, ``iterations`` (x the global batch), ``fraction`` (of the decay length) or ``value``."""
+    in_param_groups: bool = False
+    """Megatron-Core's optimizer also keeps it in every param group, where the scheduler reads it
+    first (``--lr``, ``--min-lr``): the scheduler's own copy does not decide the LR."""
+    default_of: str | None = None
+    """The argument whose value it took by default (``--train-samples`` for ``--lr-decay-samples``)."""
+
+    def checkpoint_value(self, state: dict, global_batch: int) -> Any:
+        """What the checkpoint's ``state`` holds for this argument, in the argument's unit."""
+        values = [state[f] for f in self.fields]
+        decay = state.get("lr_decay_steps")
+        if all(map(_is_number, values)):
+            if self.unit == "fraction" and _is_number(decay) and decay:
+                values = [values[0] / decay]
+            elif self.unit == "iterations":
+                values = [v // global_batch if v % global_batch == 0 else v / global_batch for v in values]
+        if len(set(map(repr, values))) == 1:
+            return values[0]
+        return dict(zip(self.fields, values))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def schedule_arguments(args: Any) -> list[ScheduleArgument]:
+    """The arguments ``megatron.training`` turns into the fields ``OptimizerParamScheduler`` saves.
+
+    As 0.19.2 does it: ``get_optimizer_param_scheduler`` (training.py) for the lengths, in
+    samples; ``validate_args`` (arguments.py) sets both weight-decay ends from ``--weight-decay``
+    when the increment style is ``constant``. One entry per argument; a test holds the table to
+    Megatron's own parser and scheduler, argument by argument.
+    """
+    gbs = args.global_batch_size
+    if getattr(args, "train_samples", None):  # first: Megatron sets train_iters from it as well
+        per_unit, unit, kind = 1, "samples", "samples"
+        decay_given, total, warmup_given = args.lr_decay_samples, args.train_samples, args.lr_warmup_samples
+    elif getattr(args, "train_iters", None):
+        per_unit, unit, kind = gbs, "iterations", "iters"
+        decay_given, total, warmup_given = args.lr_decay_iters, args.train_iters, args.lr_warmup_iters
+    else:
+        raise UsageError("arguments: expected --train-iters or --train-samples, actual neither")
+    train_flag = f"--train-{kind}"
+    decay = (decay_given or total) * per_unit
+    train_fields = {"wd_incr_steps": total * per_unit}
+    out = [ScheduleArgument(flag="--lr", given=args.lr, fields={"max_lr": float(args.lr)}, in_param_groups=True),
+           ScheduleArgument(flag="--min-lr", given=args.min_lr, fields={"min_lr": args.min_lr},
+                            in_param_groups=True)]
+    if decay_given is None:
+        train_fields["lr_decay_steps"] = decay
+    else:
+        # Megatron writes the default into args (lr_decay_* = train_*) while it builds the
+        # scheduler, before it loads: an equal value may have been that default.
+        out.append(ScheduleArgument(flag=f"--lr-decay-{kind}", given=decay_given, fields={"lr_decay_steps": decay},
+                                    unit=unit, default_of=train_flag if decay_given == total else None))
+    if args.lr_warmup_fraction is not None:
+        out.append(ScheduleArgument(flag="--lr-warmup-fraction", given=args.lr_warmup_fraction,
+                                    fields={"lr_warmup_steps": args.lr_warmup_fraction * decay}, unit="fraction"))
+    else:
+        out.append(ScheduleArgument(flag=f"--lr-warmup-{kind}", given=warmup_given,
+                                    fields={"lr_warmup_steps": warmup_given * per_unit}, unit=unit))
+    out.append(ScheduleArgument(flag="--lr-decay-style", given=args.lr_decay_style,
+                                fields={"lr_decay_style": args.lr_decay_style}))
+    # Weight decay, with the parser's defaults where a caller's arguments have none.
+    style = getattr(args, "weight_decay_incr_style", "constant")
+    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+    if style == "constant":
+        wd = getattr(args, "weight_decay", 0.01)
+        out.append(ScheduleArgument(flag="--weight-decay", given=wd,
+                                    fields={"start_wd": wd if start is None else start,
+                                            "end_wd": wd if end is None else end}))
+    else:
+        out.append(ScheduleArgument(flag="--start-weight-decay", given=start, fields={"start_wd": start}))
+        out.append(ScheduleArgument(flag="--end-weight-decay", given=end, fields={"end_wd": end}))
+    out.append(ScheduleArgument(flag="--weight-decay-incr-style", given=style, fields={"wd_incr_style": style}))
+    out.append(ScheduleArgument(flag=train_flag, given=total, fields=train_fields, unit=unit))
+    return out
