@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import gc
+import glob
 import json
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# A rank that skips (pytest.skip, e.g. require_megatron without megatron-core) writes
+# skip-<rank>.json and exits with this code: non-zero, so that spawn stops the other
+# ranks (which would otherwise wait for it at their next collective), and distinct
+# from the 1 of a rank that raised.
+SKIPPED_EXIT_CODE = 75
+
+
+def _write_json(out_dir: str, name: str, body: object) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(body, f)
 
 
 def _entry(rank: int, world: int, store: str, fn, args: tuple, out_dir: str) -> None:
@@ -17,22 +30,45 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple, out_dir: str) -> 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
-        with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
-            json.dump(result, f)
+        _write_json(out_dir, f"result-{rank}.json", result)
         del result
         # DDP/FSDP objects caught in reference cycles (optimizer hooks) must
         # die before the process group does, or gloo can abort at exit.
         gc.collect()
         dist.barrier()
+    except pytest.skip.Exception as e:
+        # Skipped is a BaseException: torch's spawn wrapper would let it escape as a bare
+        # "exit code 1". The reason travels as data and the parent skips with it.
+        _write_json(out_dir, f"skip-{rank}.json", {"rank": rank, "reason": e.msg})
+        raise SystemExit(SKIPPED_EXIT_CODE) from None
     finally:
         dist.destroy_process_group()
 
 
+def _skip_reasons(out_dir: str) -> list[dict]:
+    reasons = []
+    for path in glob.glob(os.path.join(out_dir, "skip-*.json")):
+        with open(path) as f:
+            reasons.append(json.load(f))
+    return sorted(reasons, key=lambda r: r["rank"])
+
+
 def run_ranks(fn, world: int, *args) -> list:
-    """Call ``fn(rank, world, *args)`` in ``world`` spawned processes; their JSON results."""
+    """Call ``fn(rank, world, *args)`` in ``world`` spawned processes; their JSON results.
+
+    A rank that calls ``pytest.skip`` skips the calling test with the same reason (the
+    lowest such rank's); any other failure of a rank fails it as before.
+    """
     with tempfile.TemporaryDirectory(prefix="resume-mp-") as tmp:
         store = os.path.join(tmp, "store")
-        mp.spawn(_entry, args=(world, store, fn, args, tmp), nprocs=world, join=True)
+        try:
+            mp.spawn(_entry, args=(world, store, fn, args, tmp), nprocs=world, join=True)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):
+            # Any skipping rank decides: the others may have failed only because it left.
+            skipped = _skip_reasons(tmp)
+            if skipped:
+                pytest.skip(skipped[0]["reason"])
+            raise
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"result-{rank}.json")) as f:

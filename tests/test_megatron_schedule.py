@@ -9,8 +9,6 @@ from megatron_support import require_megatron, stub_optimizer
 from resume.adapters.megatron_args import REFERENCE
 from resume.adapters.megatron_schedule import MegatronSchedule
 
-pytestmark = pytest.mark.megatron
-
 GBS = REFERENCE.global_batch
 # Updates -> LR of the reference schedule, as Megatron-Core 0.19.2 computes it (notes/megatron.md).
 NOTES_TABLE = {0: 0.0, 1: 6.289308176100629e-08, 1272: 8e-05, 1273: 7.999999999955875e-05,
@@ -39,6 +37,7 @@ def megatron_lr(scheduler, updates: int) -> float:
     return scheduler.get_lr(scheduler.optimizer.param_groups[0])
 
 
+@pytest.mark.megatron
 def test_reference_table_matches_the_notes_and_megatron_exactly():
     require_megatron()
     ours, theirs = reference_schedule(), megatron_scheduler()
@@ -47,6 +46,7 @@ def test_reference_table_matches_the_notes_and_megatron_exactly():
         assert megatron_lr(theirs, updates) == lr, updates
 
 
+@pytest.mark.megatron
 def test_reference_schedule_equals_megatron_at_1000_random_points():
     require_megatron()
     ours, theirs = reference_schedule(), megatron_scheduler()
@@ -57,6 +57,7 @@ def test_reference_schedule_equals_megatron_at_1000_random_points():
     assert mismatches == []
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("style", ["linear", "constant", "inverse-square-root", "WSD"])
 def test_other_decay_styles_and_group_overrides_equal_megatron(style):
     require_megatron()
@@ -72,6 +73,7 @@ def test_other_decay_styles_and_group_overrides_equal_megatron(style):
         assert ours.lr(n, group) == theirs.get_lr(group), (style, n)
 
 
+@pytest.mark.megatron
 def test_schedule_from_args_equals_the_one_megatron_training_builds():
     require_megatron()
     from resume.adapters.megatron_args import check_with_megatron_parser
