@@ -85,10 +85,16 @@ def restricted_load_metadata(data: bytes, *, source: str) -> Metadata:
 
 
 class _SafeMetadataMixin:
+    preloaded_metadata: Metadata | None = None
+    """Metadata already read (and vetted) by the caller: not read again."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
-            metadata = restricted_load_metadata(f.read(), source=str(path))
+        if self.preloaded_metadata is not None:
+            metadata = self.preloaded_metadata
+        else:
+            path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+            with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
+                metadata = restricted_load_metadata(f.read(), source=str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]

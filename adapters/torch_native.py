@@ -44,6 +44,7 @@ from resume.errors import (
     CorruptCheckpointError,
     ResumeError,
     SaveFailedError,
+    StorageError,
     UnsafeCheckpointError,
     UsageError,
 )
@@ -589,7 +590,7 @@ class NativeTorchAdapter(Adapter):
         # Refuse a hostile .metadata here, with our error, before DCP sees it
         # (the reader below checks again, for the read it actually loads).
         metadata_path = f"{step_dir}/.metadata"
-        metadata = restricted_load_metadata(storage.read_bytes(metadata_path),
+        metadata = restricted_load_metadata(self._read_on_rank0(storage, metadata_path),
                                             source=storage.url(metadata_path))
         saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
                       for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
@@ -602,6 +603,7 @@ class NativeTorchAdapter(Adapter):
         for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
             del state["optim"]["state"][fqn]
         reader = make_reader(storage, step_dir)
+        reader.preloaded_metadata = metadata  # parsed once above, not read again by every rank
         try:
             with _quiet_single_process():
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
@@ -618,6 +620,21 @@ class NativeTorchAdapter(Adapter):
         for opt in self.optimizers:
             if opt not in saved_optimizers:
                 opt.state.clear()
+
+    def _read_on_rank0(self, storage: Storage, path: str) -> bytes:
+        """A small file every rank needs, read once (rank 0) and broadcast: thousands of ranks
+        never open the same file of a parallel file system or an object store."""
+        outcome: tuple = ()
+        if self.comm.rank == 0:
+            try:
+                outcome = ("ok", storage.read_bytes(path))
+            except OSError as e:
+                outcome = ("error", type(e).__name__, str(e))
+        outcome = self.comm.broadcast_object(outcome, src=0)
+        if outcome[0] != "ok":
+            kind = StorageError if outcome[1] != "FileNotFoundError" else CorruptCheckpointError
+            raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual {outcome[1]}: {outcome[2]}")
+        return outcome[1]
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""
