@@ -332,6 +332,7 @@ class Coordinator:
         # Phase 1, local, no collectives: what this rank contributes. A failure
         # here must not leave the other ranks waiting in a collective.
         staged = self._guarded(lambda: self._stage_rank_part(step_dir))
+        rank_file = staged.pop("rank_file", None)  # written with the shards, never gathered
         gathered = self._agree(self.comm.all_gather_object(staged), step_dir, saving=True)
         expectation = self._assemble_expectation([g["part"] for g in gathered])
         if self.async_save and not blocking:
@@ -344,13 +345,13 @@ class Coordinator:
             # Not a daemon: a script that ends without close() still finishes the write.
             in_flight.thread = threading.Thread(
                 target=self._write_in_background, name=f"resume-save-{step}",
-                args=(in_flight, step_dir, shards["staged"], staged["files"], expectation, started, stall,
+                args=(in_flight, step_dir, shards["staged"], rank_file, staged["files"], expectation, started, stall,
                       TrainState.from_dict(self.state.to_dict()), record))
             self._in_flight = in_flight
             in_flight.thread.start()
             return step
         # Phase 2, collective: the adapter's shards (DCP reports errors on every rank).
-        report = self._guarded(lambda: self._write_shards(step_dir, staged["files"]))
+        report = self._guarded(lambda: self._write_shards(step_dir, rank_file, staged["files"]))
         reports = self._agree(self.comm.all_gather_object(report), step_dir, saving=True)
         faults.point("save.after_gather")
         # Phase 3, rank 0: the manifest, last and atomically, then retention.
@@ -374,7 +375,8 @@ class Coordinator:
         self.last_committed_step = in_flight.step
         self.save_failures = 0
 
-    def _write_in_background(self, in_flight: _InFlight, step_dir: str, staged: Any, files: dict,
+    def _write_in_background(self, in_flight: _InFlight, step_dir: str, staged: Any,
+                             rank_file: tuple[str, bytes], files: dict,
                              expectation: Expectation, started: float, stall: float,
                              state: TrainState, record: dict) -> None:
         """Phases 2 and 3 of an asynchronous save, on the save group; errors kept for the wait."""
@@ -384,6 +386,7 @@ class Coordinator:
             if comm is None:
                 raise SaveFailedError("asynchronous save without a save group")
             def write() -> dict:
+                self.run.storage.write_bytes_atomic(join(step_dir, rank_file[0]), rank_file[1])
                 faults.point("save.before_shards")
                 written = self.adapter.write_staged(staged, self.run.storage, step_dir, comm)
                 faults.point("save.after_shards")
@@ -836,11 +839,12 @@ class Coordinator:
                       "adapter": self.adapter.state_dict()}
         body = json.dumps(rank_state, allow_nan=False).encode()
         name = rank_state_name(self.rank)
-        self.run.storage.write_bytes_atomic(join(step_dir, name), body)
-        return {"part": part, "files": {name: (len(body), checksum_bytes(body))}}
+        # Written in phase 2 with the shards: its fsyncs are no part of an asynchronous save's stall.
+        return {"part": part, "files": {name: (len(body), checksum_bytes(body))}, "rank_file": (name, body)}
 
-    def _write_shards(self, step_dir: str, files: dict) -> dict:
-        """Phase 2 (collective): the adapter's shards, and this rank's file records."""
+    def _write_shards(self, step_dir: str, rank_file: tuple[str, bytes], files: dict) -> dict:
+        """Phase 2 (collective): this rank's state file and the adapter's shards, and its file records."""
+        self.run.storage.write_bytes_atomic(join(step_dir, rank_file[0]), rank_file[1])
         faults.point("save.before_shards")
         written = self.adapter.save_shards(self.run.storage, step_dir)
         faults.point("save.after_shards")
