@@ -578,13 +578,43 @@ class NativeTorchAdapter(Adapter):
     def can_stage(self) -> bool:
         return True
 
+    def prepare_load(self) -> list:
+        """The state of every optimizer that has none, created (a zero-LR step) so that a load
+        can fill it: the part of a restore that costs compute, not I/O."""
+        fresh = [o for o in self.optimizers if not o.state]
+        if fresh:
+            self._sharded_state(fresh)
+        return fresh
+
+    def discard_prepared(self, token: object) -> None:
+        for opt in token or ():  # type: ignore[union-attr]
+            opt.state.clear()
+
     def stage_shards(self) -> Any:
-        """A private copy of the sharded state (model and optimizer tensors), for a background write."""
+        """A private copy of the sharded state (model and optimizer tensors), for a background
+        write, and which optimizer owns each parameter's state (for ``fingerprint_staged``)."""
         state = self._sharded_state([o for o in self.optimizers if o.state])
-        return _copy_tree(state)
+        names = self._param_names()
+        owners = {fqn: (i, id(p)) for i, opt in enumerate(self.optimizers) for g in opt.param_groups
+                  for p in g["params"] for fqn in names.get(p, ())}
+        return {"state": _copy_tree(state), "owners": owners}
 
     def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Any) -> dict:
-        return self._dcp_save(staged, storage, step_dir, getattr(comm, "group", None), background=True)
+        return self._dcp_save(staged["state"], storage, step_dir, getattr(comm, "group", None), background=True)
+
+    def can_fingerprint_staged(self) -> bool:
+        return True
+
+    def fingerprint_staged(self, staged: Any) -> list[dict]:
+        per_optimizer: list[list[dict]] = [[] for _ in self.optimizers]
+        seen = set()
+        for fqn, entry in staged["state"]["optim"].get("state", {}).items():
+            owner = staged["owners"].get(fqn)
+            if owner is None or owner in seen:  # a parameter under two names counts once
+                continue
+            seen.add(owner)
+            per_optimizer[owner[0]].append(entry)
+        return [_fingerprint_states(states) for states in per_optimizer]
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         # Refuse a hostile .metadata here, with our error, before DCP sees it
@@ -724,22 +754,26 @@ def _counts_here(value: Any) -> bool:
 
 
 def _moment_fingerprint(opt: torch.optim.Optimizer) -> dict:
+    return _fingerprint_states([opt.state.get(p, {}) for group in opt.param_groups for p in group["params"]])
+
+
+def _fingerprint_states(states: list[dict]) -> dict:
+    """Bit sums per state key of the given per-parameter optimizer states (resume.continuity)."""
     partial: dict[str, dict[str, list[torch.Tensor]]] = {"replicated": {}, "sharded": {}}
     numel = {"replicated": 0, "sharded": 0}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for key, value in opt.state.get(p, {}).items():
-                if key == "step" or not isinstance(value, torch.Tensor):
-                    continue
-                kind = "sharded" if hasattr(value, "to_local") else "replicated"
-                if kind == "sharded" and not _counts_here(value):
-                    continue
-                local = value.to_local() if kind == "sharded" else value
-                if local.numel() == 0:
-                    continue
-                bits, acc = _bits_view(local.detach())
-                partial[kind].setdefault(str(key), []).append(bits.sum(dtype=acc).to(torch.int64))
-                numel[kind] += local.numel()
+    for state in states:
+        for key, value in state.items():
+            if key == "step" or not isinstance(value, torch.Tensor):
+                continue
+            kind = "sharded" if hasattr(value, "to_local") else "replicated"
+            if kind == "sharded" and not _counts_here(value):
+                continue
+            local = value.to_local() if kind == "sharded" else value
+            if local.numel() == 0:
+                continue
+            bits, acc = _bits_view(local.detach())
+            partial[kind].setdefault(str(key), []).append(bits.sum(dtype=acc).to(torch.int64))
+            numel[kind] += local.numel()
     out = {}
     for kind in ("replicated", "sharded"):
         keys = sorted(partial[kind])

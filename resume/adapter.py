@@ -150,6 +150,15 @@ class Adapter(ABC):
         """A private copy of the sharded state (a memory copy); the loop may change the live one."""
         raise NotImplementedError
 
+    def can_fingerprint_staged(self) -> bool:
+        """Whether ``fingerprint_staged`` is implemented: an asynchronous save then takes the
+        moments' fingerprint from the staged copy in the background, not in the loop's stall."""
+        return False
+
+    def fingerprint_staged(self, staged: Any) -> list[dict]:
+        """``optimizer_fingerprint()`` of the state as ``stage_shards`` copied it (same values)."""
+        raise NotImplementedError
+
     def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Comm) -> Any:
         """Collective over ``comm`` (a background thread): write ``staged``; like ``save_shards``."""
         raise NotImplementedError
@@ -157,6 +166,15 @@ class Adapter(ABC):
     @abstractmethod
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         """Collective. Load the sharded state written by ``save_shards``."""
+
+    def prepare_load(self) -> object:
+        """Local (no collectives; may run while another thread reads files): make the live
+        objects ready to be loaded into, e.g. create a fresh optimizer's state. Returns what
+        ``discard_prepared`` needs to undo it when nothing is loaded after all."""
+        return None
+
+    def discard_prepared(self, token: object) -> None:
+        """Undo ``prepare_load()`` (a fresh start, or a restore that failed)."""
 
     def topology(self) -> dict:
         return {"world_size": self.comm.world_size}

@@ -17,6 +17,7 @@ framework: everything framework-specific goes through the ``Adapter``.
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import json
 import logging
 import signal
@@ -195,6 +196,7 @@ class Coordinator:
         self._last_poll = float("-inf")
         self._first_after_restore: Expectation | None = None
         self._peeked: tuple[Manifest | None] | None = None
+        self._prepared: tuple[Any] | None = None  # what adapter.prepare_load() returned
         self._drawn = False  # a batch went out through batches() since the start or the restore
         self._start_iteration = 0
         self._previous_handlers: dict[int, Any] = {}
@@ -244,12 +246,20 @@ class Coordinator:
 
     def restore(self) -> TrainState:
         """Load the newest committed checkpoint (or start fresh) and check continuity."""
-        manifest = self.peek()
+        # Without a peek() first, the objects are made ready to be loaded into while the
+        # checkpoint's files are verified (after a peek() the program may still rebuild them).
+        manifest = self._peeked[0] if self._peeked is not None else self._discover(prepare=True)
         self._peeked = None
-        if manifest is None:
-            self._start_fresh()
-            return self.state
-        self._load(manifest)
+        try:
+            if manifest is None:
+                self._discard_prepared()
+                self._start_fresh()
+                return self.state
+            self._load(manifest)
+        except BaseException:
+            self._discard_prepared()
+            raise
+        self._prepared = None
         return self.state
 
     def batches(self) -> Iterator[Any]:
@@ -331,7 +341,10 @@ class Coordinator:
 
         # Phase 1, local, no collectives: what this rank contributes. A failure
         # here must not leave the other ranks waiting in a collective.
-        staged = self._guarded(lambda: self._stage_rank_part(step_dir))
+        # An asynchronous save takes the moments' fingerprint from the staged copy, in the
+        # background: the loop waits for the copy alone.
+        moments_later = self.async_save and not blocking and self.adapter.can_fingerprint_staged()
+        staged = self._guarded(lambda: self._stage_rank_part(step_dir, moments=not moments_later))
         rank_file = staged.pop("rank_file", None)  # written with the shards, never gathered
         gathered = self._agree(self.comm.all_gather_object(staged), step_dir, saving=True)
         expectation = self._assemble_expectation([g["part"] for g in gathered])
@@ -390,9 +403,12 @@ class Coordinator:
                 faults.point("save.before_shards")
                 written = self.adapter.write_staged(staged, self.run.storage, step_dir, comm)
                 faults.point("save.after_shards")
-                return {"files": {**files, **self._file_records(step_dir, written)}}
+                moments = self.adapter.fingerprint_staged(staged) if expectation.optimizer[0] is None else None
+                return {"files": {**files, **self._file_records(step_dir, written)}, "optimizer": moments}
             report = self._guarded(write)
             reports = self._agree(comm.all_gather_object(report), step_dir, saving=True)
+            if expectation.optimizer[0] is None:
+                expectation.optimizer = [r["optimizer"] for r in reports]
             faults.point("save.after_gather")
             outcome: Any = None
             if comm.rank == 0:
@@ -453,7 +469,7 @@ class Coordinator:
 
     # -- restore -------------------------------------------------------------------------
 
-    def _discover(self) -> Manifest | None:
+    def _discover(self, *, prepare: bool = False) -> Manifest | None:
         """The newest committed checkpoint whose files all verify; None for a fresh start.
 
         Rank 0 lists once and runs the commit check (manifest valid, sizes
@@ -471,7 +487,7 @@ class Coordinator:
                 continue
             manifest = Manifest.from_json(text, source=self.run.storage.url(step_dirname(step)))
             if self.verify_on_restore:
-                problems = self._verify_share(manifest)
+                problems = self._verify_share(manifest, prepare=prepare)
                 if problems:
                     broken.append((step, "; ".join(problems)))
                     continue
@@ -504,13 +520,37 @@ class Coordinator:
             except OSError as e:
                 log.warning("resume: cannot point LATEST at %s: %s", step_dirname(chosen.step), e)
 
-    def _verify_share(self, manifest: Manifest) -> list[str]:
-        """Collective: every rank checksums its share of the files; all problems, on every rank."""
+    def _verify_share(self, manifest: Manifest, *, prepare: bool = False) -> list[str]:
+        """Collective: every rank checksums its share of the files; all problems, on every rank.
+
+        With ``prepare`` the reads run beside the adapter's ``prepare_load()`` (a fresh
+        optimizer's state made ready to be loaded into): the file I/O and that compute
+        overlap instead of adding up.
+        """
         share = sorted(manifest.files)[self.rank::self.comm.world_size]
-        staged = self._guarded(lambda: {"problems": self.run.verify_checksums(
-            manifest, share, raise_unreadable=True)})
+
+        def verify() -> dict:
+            return self._guarded(lambda: {"problems": self.run.verify_checksums(
+                manifest, share, raise_unreadable=True)})
+        if prepare and self._prepared is None:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resume-verify") as pool:
+                pending = pool.submit(verify)
+                prepared = self._guarded(lambda: {"token": self.adapter.prepare_load()})
+                staged = pending.result()
+            if prepared["ok"]:
+                self._prepared = (prepared["token"],)
+            elif staged["ok"]:
+                staged = prepared
+        else:
+            staged = verify()
         gathered = self._agree(self.comm.all_gather_object(staged), "checksum verification")
         return [p for g in gathered for p in g["problems"]]
+
+    def _discard_prepared(self) -> None:
+        """Nothing will be loaded: put back what ``prepare_load()`` made (a fresh start stays fresh)."""
+        if self._prepared is not None:
+            token, self._prepared = self._prepared[0], None
+            self.adapter.discard_prepared(token)
 
     def _list_candidates(self) -> list[tuple[int, str | None, str, bool]]:
         """Rank 0: every step directory, newest first, with its manifest if it passes the check."""
@@ -647,13 +687,13 @@ class Coordinator:
             self._lookahead = _Lookahead(batch, rng_state, data_state)
         return self._lookahead
 
-    def _local_expectation_part(self, schedule: list[dict] | None = None) -> dict:
+    def _local_expectation_part(self, schedule: list[dict] | None = None, *, moments: bool = True) -> dict:
         """This rank's share of the Expectation (no collectives)."""
         ahead = self._ensure_lookahead()
         return {
             "batch": [] if ahead.batch is _END else self.adapter.describe_batch(ahead.batch),
             "rng": RngRegistry.digest(ahead.rng_state),
-            "optimizer": self.adapter.optimizer_fingerprint(),
+            "optimizer": self.adapter.optimizer_fingerprint() if moments else None,
             "lr_ahead": self.adapter.lr_ahead(self.lr_lookahead),
             "lr_groups": self.adapter.lr_groups(),
             "schedule": self.adapter.describe_schedule() if schedule is None else schedule,
@@ -830,10 +870,10 @@ class Coordinator:
         self.run.storage.makedirs(step_dirname(step))
         return False
 
-    def _stage_rank_part(self, step_dir: str) -> dict:
+    def _stage_rank_part(self, step_dir: str, *, moments: bool = True) -> dict:
         """Phase 1 of a save on this rank: expectation share and the small JSON state file."""
         self.state.check_invariants(global_batch=self.global_batch)
-        part = self._local_expectation_part()
+        part = self._local_expectation_part(moments=moments)
         ahead = self._ensure_lookahead()
         rank_state = {"rng": ahead.rng_state, "data": ahead.data_state,
                       "adapter": self.adapter.state_dict()}

@@ -173,3 +173,32 @@ def test_dcp_metadata_pointing_outside_the_step_directory_is_refused(tmp_path):
         info.relative_path = "../../elsewhere/__0_0.distcp"
     with pytest.raises(UnsafeCheckpointError, match="storage_data.relative_path"):
         restricted_load_metadata(pickle.dumps(metadata), source=path)
+
+
+def test_moments_fingerprinted_from_the_staged_copy_equal_the_live_ones():
+    """An asynchronous save records the fingerprint of its staged copy; a restore compares it
+    with the live optimizers: the two must agree (tied weights, two optimizers, a parameter
+    without state)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    body = torch.nn.Linear(4, 4)
+    idle = torch.nn.Linear(4, 4)  # never gets a gradient: no optimizer state
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "body": body, "idle": idle})
+    adam = torch.optim.AdamW([emb.weight, body.bias, idle.bias], lr=1e-2)
+    muon = torch.optim.Muon([body.weight, idle.weight], lr=1e-2)
+    adapter = NativeTorchAdapter(model, [adam, muon])
+    for _ in range(2):
+        x = emb(torch.tensor([1, 2, 3]))
+        head(body(x)).square().mean().backward()
+        adam.step()
+        muon.step()
+        adam.zero_grad()
+        muon.zero_grad()
+    live = adapter.optimizer_fingerprint()
+    assert all(f["replicated"]["bits"] for f in live)
+    assert adapter.fingerprint_staged(adapter.stage_shards()) == live
+    with torch.no_grad():
+        adam.state[emb.weight]["exp_avg"][0, 0] += 1e-3
+    assert adapter.fingerprint_staged(adapter.stage_shards()) != live
