@@ -198,7 +198,11 @@ def test_moments_fingerprinted_from_the_staged_copy_equal_the_live_ones():
         muon.zero_grad()
     live = adapter.optimizer_fingerprint()
     assert all(f["replicated"]["bits"] for f in live)
-    assert adapter.fingerprint_staged(adapter.stage_shards()) == live
+    first = adapter.stage_shards()
+    assert adapter.fingerprint_staged(first) == live
+    pointers = {k: v.data_ptr() for k, v in first["state"]["model"].items()}
     with torch.no_grad():
         adam.state[emb.weight]["exp_avg"][0, 0] += 1e-3
-    assert adapter.fingerprint_staged(adapter.stage_shards()) != live
+    second = adapter.stage_shards()  # copied into the first copy's buffers, with the new values
+    assert adapter.fingerprint_staged(second) == adapter.optimizer_fingerprint() != live
+    assert {k: v.data_ptr() for k, v in second["state"]["model"].items()} == pointers

@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/save_path.py at a tiny size: it runs and its JSON line holds the
+figures it promises (no timing assertions: CI machines vary)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_save_path_benchmark_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "save_path.py"), "--gib", "0.02", "--runs", "1",
+         "--pause", "0", "--every", "50", "--drop", "fadvise", "--dir", str(tmp_path), "--json"],
+        check=False, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    for key in ("save_vs_dcp", "async_stall_vs_dcp_async", "restore_vs_dcp_load", "update_us", "gib"):
+        assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
+    assert result["runs"] == 1
+    assert abs(result["gib"] - 0.02) < 0.002
+    seconds = result["seconds"]
+    for key in ("ours_save", "dcp_save", "ours_async_stall", "dcp_async_stall", "ours_restore", "dcp_load"):
+        assert math.isfinite(seconds[key]) and seconds[key] > 0, key
+    assert 0 < result["update_calls"] < 50  # the not-due iterations before the save at 50
+    assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
+    assert set(result["goals_met"]) == {"save_vs_dcp", "async_stall_vs_dcp_async", "restore_vs_dcp_load",
+                                        "update_us"}
+    assert [sorted(r) for r in result["per_run"]] == [["async_stall_vs_dcp_async", "ours_first", "restore_vs_dcp_load",
+                                                       "save_vs_dcp"]]
+    assert not any(tmp_path.iterdir()), "the benchmark left files behind"
