@@ -48,7 +48,6 @@ cumulative time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import io
@@ -66,6 +65,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from bench_common import drop_pages, quiet, settle, timed
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -181,25 +181,6 @@ class Training:
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-@contextlib.contextmanager
-def quiet():
-    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def settle(seconds: float) -> None:
-    """Let the disk (and a host's write cache under a virtual disk) drain before a write."""
-    os.sync()
-    time.sleep(seconds)
-
-
 class PageCache:
     """Drops the page cache before a restore: all of it when permitted, else one directory's."""
 
@@ -224,14 +205,7 @@ class PageCache:
     def drop(self, directory: str) -> None:
         if self.mode == "proc" and self._proc():
             return
-        for d, _, files in os.walk(directory):
-            for name in files:
-                fd = os.open(os.path.join(d, name), os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        drop_pages(directory)
 
 
 def fresh_dir(root: str, name: str) -> str:

@@ -30,8 +30,6 @@ that follows another pays for its flush (``--pause`` lets it drain).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -39,12 +37,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from bench_common import drop_pages, quiet, settle, timed
 from resume.adapters import dcp_io
 from resume.adapters.dcp_safe import SafeLoadPlanner
 from resume.adapters.torch_native import _copy_tree
@@ -78,38 +76,6 @@ def realistic_state(gib: float) -> dict[str, torch.Tensor]:
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def drop_pages(path: str) -> None:
-    """Evict a file's (clean) pages from the page cache: the next read is cold."""
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-@contextlib.contextmanager
-def quiet():
-    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def settle(seconds: float) -> None:
-    """Let the disk (and a host's write cache under a virtual disk) drain before the next
-    measurement, so that no write pays for the one before it."""
-    os.sync()
-    time.sleep(seconds)
 
 
 def run_once(state: dict[str, torch.Tensor], size: int, root: str, *, index: int, pause: float) -> dict[str, float]:
