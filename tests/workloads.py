@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,8 @@ class ForgetfulAdapter(NativeTorchAdapter):
     """Loads the model but not the optimizer state (the classic bug)."""
 
     def load_shards(self, storage, step_dir):
-        saved = [opt.state_dict() for opt in self.optimizers]
+        # Copies: a state the restore has already created (zero moments) is loaded into in place.
+        saved = [copy.deepcopy(opt.state_dict()) for opt in self.optimizers]
         super().load_shards(storage, step_dir)
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)  # back to the fresh (empty) moments
