@@ -682,9 +682,7 @@ class NativeTorchAdapter(Adapter):
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""
-        names = {}
-        for name, param in self.model.named_parameters():
-            names[param] = _get_fqns(self.model, name)
+        names = self._param_names()
         return [{fqn for g in opt.param_groups for p in g["params"] for fqn in names.get(p, ())}
                 for opt in self.optimizers]
 
