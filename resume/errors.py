@@ -19,6 +19,14 @@ class ResumeError(Exception):
 
     exit_code: int = EXIT_PROBLEM
 
+    def fields(self) -> dict:
+        """What ``from_fields`` needs to build this error again (on another rank)."""
+        return {"message": str(self)}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> ResumeError:
+        return cls(fields["message"])
+
 
 class UsageError(ResumeError, ValueError):
     """Bad arguments or configuration given by the user."""
@@ -84,6 +92,13 @@ class ContinuityError(ResumeError, RuntimeError):
         if hint:
             message += f" ({hint})"
         super().__init__(message)
+
+    def fields(self) -> dict:
+        return {"item": self.item, "expected": self.expected, "actual": self.actual, "hint": self.hint}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> ContinuityError:
+        return cls(fields["item"], fields["expected"], fields["actual"], fields.get("hint", ""))
 
 
 class SaveFailedError(ResumeError, RuntimeError):

@@ -26,7 +26,7 @@ import datetime as _dt
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from . import faults
@@ -37,9 +37,11 @@ from .errors import (
     ManifestError,
     NoValidCheckpointError,
     RunNotFoundError,
+    StorageError,
     UsageError,
 )
 from .manifest import MANIFEST_NAME, Manifest
+from .policy import KeepPolicy
 from .storage import Storage, join, open_storage
 
 __all__ = ["MEGATRON_LAYOUT", "RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout",
@@ -141,29 +143,6 @@ class CheckResult:
         if self.committed:
             return "committed"
         return "broken" if self.has_manifest else "uncommitted"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class KeepPolicy:
-    """Which committed checkpoints retention keeps."""
-
-    keep_last: int = 3
-    """The newest K committed checkpoints are kept. K >= 2: the newest may be
-    torn by a crash during its verification, so the one before must survive."""
-    keep_every: int | None = None
-    """Additionally keep, forever, every checkpoint whose step is a multiple of M."""
-
-    def __post_init__(self) -> None:
-        if self.keep_last < 2:
-            raise UsageError(f"keep: expected >= 2, actual {self.keep_last} (the newest checkpoint "
-                             "may turn out torn; the one before it must survive)")
-        if self.keep_every is not None and self.keep_every < 1:
-            raise UsageError(f"keep_every: expected >= 1 or None, actual {self.keep_every}")
-
-    def select_deletions(self, committed: Iterable[int]) -> list[int]:
-        steps = sorted(committed)
-        old = steps[: max(0, len(steps) - self.keep_last)]
-        return [s for s in old if not (self.keep_every and s % self.keep_every == 0)]
 
 
 class Run:
@@ -355,17 +334,37 @@ class Run:
 
     # -- discovery ---------------------------------------------------------------
 
-    def find_latest(self, *, deep: bool = False) -> tuple[Manifest | None, list[CheckResult]]:
-        """The newest committed checkpoint, falling back past torn or corrupt ones.
+    def discover(self, *, deep: bool = False, below: int | None = None, above: int | None = None,
+                 only: int | None = None) -> Iterator[CheckResult]:
+        """The commit check on each step directory, newest first, one at a time: a caller stops
+        at the first committed one it takes, so older checkpoints are never read.
 
-        Returns (manifest or None, the rejected newer steps with their reasons).
+        ``below``/``above`` bound the steps (exclusive), ``only`` picks one. A directory that
+        storage refused to read raises StorageError: an outage says nothing about a
+        checkpoint, and nothing may be passed over or moved aside for it.
+        """
+        for step in reversed(self.step_dirs()):
+            if (below is not None and step >= below) or (only is not None and step != only):
+                continue
+            if above is not None and step <= above:
+                return
+            result = self.check(step, deep=deep)
+            if result.unreadable:
+                raise StorageError(f"{self.storage.url(self.dirname(step))}: expected readable storage, "
+                                   f"actual {result.reason} (nothing passed over or moved; try again)")
+            yield result
+
+    def find_latest(self, *, deep: bool = False, below: int | None = None, above: int | None = None,
+                    only: int | None = None) -> tuple[Manifest | None, list[CheckResult]]:
+        """The newest committed checkpoint (within the bounds of ``discover``), falling back past
+        torn or corrupt ones: (manifest or None, the newer steps passed over, with their reasons).
+
+        The one definition of discovery: the coordinator, the Megatron integration, the Slurm
+        hook and the CLI all call it (rank 0 only; the others are told).
         """
         rejected: list[CheckResult] = []
-        for step in reversed(self.step_dirs()):
-            result = self.check(step, deep=deep)
+        for result in self.discover(deep=deep, below=below, above=above, only=only):
             if result.committed:
-                for bad in rejected:
-                    log.warning("resume: skipping %s: %s", self.dirname(bad.step), bad.reason)
                 return result.manifest, rejected
             rejected.append(result)
         return None, rejected
@@ -434,26 +433,40 @@ class Run:
         return name
 
     def apply_retention(self, policy: KeepPolicy) -> list[int]:
-        """Delete old committed checkpoints per policy; only after a newer one committed."""
-        results = [self.check(s) for s in self.step_dirs()]
-        committed = [r.step for r in results if r.committed]
-        doomed = policy.select_deletions(committed)
+        """Delete old committed checkpoints per policy; only after a newer one committed.
+
+        Works from one listing, newest first: the commit check runs on the newest
+        checkpoints until ``keep_last`` committed ones are found, and then only on the
+        steps that may go; a step kept forever (``keep_every``) is not read again.
+        Leftovers without a manifest behind the newest commit (a crashed save, a crashed
+        deletion) are not checkpoints and never become one: their room is freed. A
+        damaged checkpoint (a manifest that fails the check) is left for the operator.
+        """
+        kept, newest, doomed, leftovers = 0, None, [], []
+        for step in reversed(self.step_dirs()):
+            if kept >= policy.keep_last and policy.kept_forever(step):
+                committed, has_manifest = False, self.storage.exists(self.manifest_path(step))
+            else:
+                result = self.check(step)
+                committed, has_manifest = result.committed, result.has_manifest
+            if committed:
+                if not policy.keeps(step, kept):
+                    doomed.append(step)
+                kept += 1
+                newest = step if newest is None else newest
+            elif not has_manifest and newest is not None:
+                leftovers.append(step)
         for step in doomed:
             # The manifest goes first: a half-deleted checkpoint is then
             # plainly uncommitted, never a torn "committed" one.
             self.storage.delete(self.manifest_path(step))
             faults.point("retention.mid_delete")
             self.delete_step(step)
-        # Leftovers without a manifest behind the newest commit (a crashed save, a crashed
-        # deletion) are not checkpoints and never become one: their room is freed. A
-        # damaged checkpoint (a manifest that fails the check) is left for the operator.
-        if committed:
-            for r in results:
-                if r.step < committed[-1] and not r.has_manifest and r.step not in doomed \
-                        and self.storage.isdir(self.dirname(r.step)):
-                    log.warning("resume: removing %s, left without a manifest", self.dirname(r.step))
-                    self.delete_step(r.step)
-        return doomed
+        for step in leftovers:
+            if self.storage.isdir(self.dirname(step)):
+                log.warning("resume: removing %s, left without a manifest", self.dirname(step))
+                self.delete_step(step)
+        return sorted(doomed)
 
     # -- run identity ---------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Rank agreement, written once: run on rank 0 or on every rank, raise the same error everywhere.
+
+Every collective phase of a save or a restore has one shape: a local step that must
+not leave the other ranks waiting in a collective when it fails, then one small
+exchange after which every rank knows every outcome. Errors travel as records (the
+class name and its fields, ``ResumeError.fields()``), never as message strings to be
+parsed, and are built again from the record on each rank::
+
+    coll = Collective(comm)
+    names = coll.on_rank0(run.step_dirs)                       # rank 0 reads, all get it
+    reports = coll.each(lambda: write_my_shards(), "save of step-…")   # all ranks, then agree
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors as _errors
+from .comm import Comm
+from .errors import ContinuityError, ResumeError, SaveFailedError, StorageError
+
+__all__ = ["Collective", "Failure", "rebuild"]
+
+log = logging.getLogger("resume")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One rank's error, as it travels between ranks."""
+
+    rank: int
+    kind: str
+    """The class name: one of ``resume.errors``, else a builtin's (``OSError``, ``ValueError``)."""
+    fields: dict
+    """``ResumeError.fields()`` for ours, ``{"message": str(e)}`` for any other."""
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int) -> Failure:
+        fields = error.fields() if isinstance(error, ResumeError) else {"message": str(error)}
+        return cls(rank, type(error).__name__, fields)
+
+    @property
+    def message(self) -> str:
+        return str(self.fields.get("message") or rebuild(self))
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: {self.kind}: {self.message}"
+
+
+def error_class(kind: str) -> type[ResumeError]:
+    """Our class of that name; StorageError for an OSError of the standard library; else ResumeError."""
+    cls = getattr(_errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, ResumeError):
+        return cls
+    builtin = getattr(builtins, kind, None)
+    return StorageError if isinstance(builtin, type) and issubclass(builtin, OSError) else ResumeError
+
+
+def rebuild(failure: Failure) -> ResumeError:
+    """The error another rank raised, raised here too (the same class and fields when it is ours)."""
+    cls = error_class(failure.kind)
+    if cls.__name__ == failure.kind:
+        return cls.from_fields(failure.fields)
+    return cls(failure.fields["message"])
+
+
+class Collective:
+    """The two shapes of rank agreement over one ``Comm``."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only; every rank returns its value or raises its error
+        (rank 0 its own, with its traceback; the others one built from the record)."""
+        outcome: tuple = ("ok", None)
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+                error, outcome = e, ("error", Failure.of(e, 0))
+        outcome = self.comm.broadcast_object(outcome, src=0)
+        if outcome[0] == "ok":
+            return outcome[1]
+        if error is not None:
+            raise error
+        raise rebuild(outcome[1])
+
+    def each(self, fn: Callable[[], Any], what: str, *, saving: bool = False) -> list[Any]:
+        """Run the local step ``fn`` on every rank (no collectives inside), then agree: every
+        rank gets every rank's value, or every rank raises the same error (``agreed_error``)."""
+        local: BaseException | None = None
+        try:
+            report: tuple = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            log.exception("resume: rank %d failed", self.rank)
+            local, report = e, ("error", Failure.of(e, self.rank))
+        reports = self.comm.all_gather_object(report)
+        failures = [r[1] for r in reports if r[0] != "ok"]
+        if not failures:
+            return [r[1] for r in reports]
+        raise agreed_error(failures, len(reports), what, saving=saving) from local
+
+
+def agreed_error(failures: list[Failure], ranks: int, what: str, *, saving: bool = False) -> ResumeError:
+    """The one error every rank raises when ``failures`` happened on some of ``ranks``.
+
+    A continuity error, or the same error on every rank (an invariant every rank
+    checks), stays what it is. Otherwise a save is a SaveFailedError naming each
+    failed rank (nothing was committed); anything else keeps the first failure's class.
+    """
+    first = failures[0]
+    if first.kind == ContinuityError.__name__ or (
+            len(failures) == ranks and all(f.fields == first.fields and f.kind == first.kind for f in failures)):
+        return rebuild(first)
+    detail = "; ".join(f.describe() for f in failures)
+    if saving:
+        return SaveFailedError(f"{what}: save failed on {len(failures)} of {ranks} ranks, nothing "
+                               f"committed: {detail}")
+    return error_class(first.kind)(f"{what} failed on {len(failures)} of {ranks} ranks: {detail}")
