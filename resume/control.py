@@ -9,6 +9,7 @@ removes the request.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -19,7 +20,10 @@ from .errors import SaveFailedError, SaveTimeoutError
 from .run import CONTROL, Run, utc_now
 from .storage import join
 
-__all__ = ["SaveRequest", "answer_request", "pending_requests", "post_save_request", "wait_for_answer"]
+__all__ = ["ControlArea", "SaveRequest", "answer_request", "pending_requests", "post_save_request",
+           "wait_for_answer"]
+
+log = logging.getLogger("resume")
 
 REQUEST_SUFFIX = ".request"
 RESULT_SUFFIX = ".result"
@@ -68,6 +72,36 @@ def answer_request(run: Run, request: SaveRequest, *, step: int | None, error: s
     run.storage.write_bytes_atomic(join(CONTROL, request.request_id + RESULT_SUFFIX),
                                    json.dumps(body).encode())
     run.storage.delete(join(CONTROL, request.request_id + REQUEST_SUFFIX))
+
+
+class ControlArea:
+    """A running job's side of ``control/`` (rank 0 only): polled at most every ``poll_s`` at
+    iteration boundaries, answered after the save. Neither call ever stops training: a
+    broken control area is logged, and an asker that gets no answer times out."""
+
+    def __init__(self, run: Run, *, poll_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run = run
+        self.poll_s = poll_s
+        self.clock = clock
+        self._last_poll = float("-inf")
+
+    def poll(self) -> list[SaveRequest]:
+        """The pending requests, when a poll is due; else none."""
+        if self.clock() - self._last_poll < self.poll_s:
+            return []
+        self._last_poll = self.clock()
+        try:
+            return pending_requests(self.run)
+        except Exception as e:  # noqa: BLE001 - a broken control area must not stop training
+            log.warning("resume: cannot read save requests under %s: %s", self.run.url, e)
+            return []
+
+    def answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
+        for request in requests:
+            try:
+                answer_request(self.run, request, step=step, error=error)
+            except Exception as e:  # noqa: BLE001 - the save is done; the asker will time out
+                log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
 
 
 def withdraw_request(run: Run, request: SaveRequest) -> None:
