@@ -24,17 +24,28 @@ adds what it lacks:
   scheduler position, LR ahead, schedule, next batch, RNG; a mismatch raises
   ``ContinuityError`` before the first iteration.
 
+It is built on the same core objects as the coordinator, not beside them: the
+commit is ``resume.commit.StepCommit`` (``prepare`` withdraws an old manifest,
+``finalize`` writes the new one), discovery is ``Run.find_latest``, rank
+agreement is ``resume.collective.Collective`` (errors travel as records, every
+rank raises the same one), the lease is ``resume.lease.Lease`` and save requests
+are ``resume.control``'s.
+
 Call sequence (every rank, in this order; some calls are collective):
 
-  save: Megatron's ``save_checkpoint`` returns (synchronous save: data written,
-        barrier passed, tracker updated) -> ``after_save(iteration, args, scheduler, optimizer)``
+  save: ``before_save(iteration)`` -> Megatron's ``save_checkpoint`` returns
+        (synchronous save: data written, barrier passed, tracker updated) ->
+        ``after_save(iteration, args, scheduler, optimizer)``
   load: ``before_load(args)`` -> Megatron's ``load_checkpoint`` ->
         ``after_load(iteration, args, scheduler, optimizer)``
   each iteration (optional): ``count_iteration(skipped)``, ``poll_control()``
 
 ``install()`` wires this into ``megatron.training`` for the stock entry point
 (``pretrain_gpt.py``): import ``resume.adapters.megatron`` in the launch script
-and call ``install()`` before ``pretrain(...)``.
+and call ``install()`` before ``pretrain(...)``. ``megatron.training`` of
+megatron-core 0.19.2 needs Python >= 3.12 (it imports ``typing.override``), as
+Megatron's own containers have; this module does not patch the standard library
+(the tests, on 3.11, alias it in ``tests/megatron_support.py``).
 """
 
 from __future__ import annotations
@@ -46,30 +57,37 @@ import logging
 import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from resume.checksum import checksum_file, digest_parts
+from resume.checksum import digest_parts
+from resume.collective import Collective
 from resume.comm import Comm, LocalComm
+from resume.commit import StepCommit
 from resume.continuity import Expectation, compare_config
-from resume.control import SaveRequest, answer_request, pending_requests
+from resume.control import ControlArea, SaveRequest
 from resume.errors import (
     CheckpointNotFoundError,
     ContinuityError,
     InvariantError,
     NoValidCheckpointError,
     ResumeError,
-    SaveFailedError,
     UnsafeCheckpointError,
     UsageError,
 )
 from resume.lease import Lease
-from resume.manifest import FileEntry, Manifest
-from resume.run import MEGATRON_LAYOUT, Run
+from resume.manifest import Manifest
+from resume.run import Run
 from resume.state import TrainState
 from resume.storage import join, open_storage
 
-from .megatron_ckpt import CommonState, iteration_dirs, read_common_state, read_tracker, require_torch_dist
+from .megatron_ckpt import (
+    MEGATRON_LAYOUT,
+    CommonState,
+    read_common_state,
+    read_tracker,
+    require_torch_dist,
+)
 from .megatron_schedule import MegatronSchedule, ScheduleArgument, schedule_arguments
 
 __all__ = ["MegatronRecorder", "install", "next_batch_ids"]
@@ -129,14 +147,42 @@ def lr_ahead_megatron(scheduler: Any, increment: int, k: int, groups: list[dict]
     return out
 
 
+
+def verify_share(run: Run, collective: Collective, manifest: Manifest) -> list[str]:
+    """Collective: every rank checksums its share of the checkpoint's files; every problem found,
+    on every rank. Storage that refuses a read raises on every rank instead: it says nothing
+    about the checkpoint, which must not be passed over for it."""
+    share = sorted(manifest.files)[collective.rank::collective.world_size]
+    found = collective.each(lambda: run.verify_checksums(manifest, share, raise_unreadable=True),
+                            f"checksum verification of {run.dirname(manifest.step)}")
+    return [problem for problems in found for problem in problems]
+
+
 @dataclass
 class _Loaded:
     manifest: Manifest
     source: str
 
 
+@dataclass
+class _Search:
+    """What the search for a checkpoint to load found."""
+
+    chosen: Manifest | None = None
+    passed_over: list[tuple[int, str]] = field(default_factory=list)
+    """(iteration, why), newest first."""
+    recorded: bool = False
+    """Some checkpoint on the way had a manifest: a restart without one is then refused."""
+
+
 class MegatronRecorder:
-    """Our manifest beside Megatron's checkpoints, and the continuity check around its loads."""
+    """Our manifest beside Megatron's checkpoints, and the continuity check around its loads.
+
+    An integration, not an ``Adapter`` (``resume/adapter.py``): an adapter hands its state to
+    the coordinator, which writes and reads it; here Megatron writes and reads its own
+    checkpoints and the recorder adds the commit, discovery and the checks around them,
+    through the same core objects (module docstring).
+    """
 
     def __init__(self, save_dir: str, *, comm: Comm | None = None, lr_lookahead: int = 3,
                  verify_on_load: bool = True, accept_schedule_change: bool = False,
@@ -161,17 +207,17 @@ class MegatronRecorder:
             raise ValueError(f"lr_lookahead: expected >= 2, actual {lr_lookahead}")
         self.run = Run(open_storage(save_dir), MEGATRON_LAYOUT)
         self._comm = comm
+        self._collective: Collective | None = None
         self.lr_lookahead = lr_lookahead
         self.verify_on_load = verify_on_load
         self.accept_schedule_change = accept_schedule_change
-        self.control_poll_s = control_poll_s
         self.clock = clock
+        self.control = ControlArea(self.run, poll_s=control_poll_s, clock=clock)
         self.loaded: _Loaded | None = None
         self.last_committed: int | None = None
         self._skipped_base: int | None = None  # skipped updates at the last load or save
         self._skipped_since = 0
         self._skipped_samples_base = 0
-        self._last_poll = float("-inf")
         self.lease_ttl_s = lease_ttl_s
         self._lease: Lease | None = None
         self._lease_taken = False
@@ -181,6 +227,12 @@ class MegatronRecorder:
         if self._comm is None:
             self._comm = _default_comm()
         return self._comm
+
+    @property
+    def collective(self) -> Collective:
+        if self._collective is None:
+            self._collective = Collective(self.comm)
+        return self._collective
 
     # -- counting -------------------------------------------------------------------------------
 
@@ -243,74 +295,53 @@ class MegatronRecorder:
         Megatron saves into an existing directory without clearing it (a second
         save of the same iteration, or reaching again an iteration whose
         checkpoint was passed over); its files must never sit under a manifest
-        that describes other bytes.
+        that describes other bytes. A job whose lease was taken over stops here.
         """
-        path = self.run.manifest_path(iteration)
         self._hold_lease()
-
-        def drop() -> None:
-            if self._lease is not None:
-                self._lease.check()  # a job that was taken over must not write or remove anything
-            if self.run.storage.exists(path):
-                log.warning("resume: %s is being rewritten: its manifest is withdrawn first",
-                            MEGATRON_LAYOUT.dirname(iteration))
-                self.run.storage.delete(path)
-        self._on_rank0(drop)
+        commit = StepCommit(self.run, iteration, lease=self._lease)
+        self.collective.on_rank0(lambda: commit.prepare(clear=False))
 
     def after_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> Manifest | None:
-        """Collective, after Megatron's synchronous save returned: write the manifest (the commit)."""
-        started = self.clock()
-        d = MEGATRON_LAYOUT.dirname(iteration)
-        # Rank 0 lists once; every rank checksums its share, so a 7 TB
-        # checkpoint is read once, in parallel.
-        names = self._on_rank0(lambda: sorted(n for n in _walk(self.run, d)
-                                              if n != MEGATRON_LAYOUT.manifest_name))
-        staged, exc = _guard(lambda: self._stage_save(iteration, args, scheduler, optimizer, names))
-        gathered = self.comm.all_gather_object(staged)
-        _raise_any(gathered, f"manifest of {d}", exc)
-        files: dict[str, FileEntry] = {}
-        for g in gathered:
-            files.update({p: FileEntry(*e) for p, e in g["files"].items()})
-        manifest = None
-        if self.comm.rank == 0:
-            first = gathered[0]
-            expectation = dict(first["expectation"])
-            expectation["rng"] = [g["rng"] for g in gathered]
-            expectation["world_size"] = self.comm.world_size
-            manifest = Manifest(step=iteration, train_state=TrainState(**first["state"]), files=files,
-                                expectation=expectation, topology=_topology(args, self.comm.world_size),
-                                config=_config(args), adapter=ADAPTER_NAME,
-                                timing={"manifest_s": round(self.clock() - started, 3)})
-            def commit() -> None:
-                if self._lease is not None:
-                    self._lease.check()  # a job whose lease was taken over must not commit
-                self.run.write_manifest(manifest)
-            result, exc = _guard(commit)
-        else:
-            result = {}
-        _raise_any([self.comm.broadcast_object(result, src=0)], f"commit of {d}", exc)
-        self._reset_count(gathered[0]["state"]["updates_skipped"], args)
-        self.last_committed = iteration
-        if manifest is not None:
-            log.info("resume: committed %s (%d files, %d bytes)", MEGATRON_LAYOUT.dirname(iteration),
-                     len(files), manifest.total_bytes)
-        return manifest
+        """Collective, after Megatron's synchronous save returned: write the manifest (the commit).
 
-    def _stage_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any,
-                    names: list[str]) -> dict:
-        state = self.counters(iteration, args, scheduler)
-        d = MEGATRON_LAYOUT.dirname(iteration)
-        share = names[self.comm.rank::self.comm.world_size]
-        files = {}
-        for rel in share:
-            size, checksum = checksum_file(self.run.storage, join(d, rel))
-            files[rel] = (size, checksum)
+        Rank 0 lists the directory once; every rank checksums its share, so a 7 TB
+        checkpoint is read once, in parallel. The manifest on rank 0, None on the others.
+        """
+        started = self.clock()
+        commit = StepCommit(self.run, iteration, lease=self._lease)
+        names = self.collective.on_rank0(lambda: sorted(n for n in _walk(self.run, commit.dirname)
+                                                        if n != MEGATRON_LAYOUT.manifest_name))
+        parts = self.collective.each(lambda: self._stage_save(commit, names, args, scheduler, optimizer),
+                                     f"manifest of {commit.dirname}", saving=True)
+        committed: list[Manifest] = []  # rank 0's, kept here rather than sent to every rank
+        self.collective.on_rank0(lambda: committed.append(commit.finalize(
+            [part["files"] for part in parts], self._manifest(iteration, parts, args, started))))
+        self._reset_count(parts[0]["state"]["updates_skipped"], args)
+        self.last_committed = iteration
+        return committed[0] if committed else None
+
+    def _stage_save(self, commit: StepCommit, names: list[str], args: Any, scheduler: Any,
+                    optimizer: Any) -> dict:
+        """This rank's part of the manifest: counters, its share of the file records, its RNG."""
+        state = self.counters(commit.step, args, scheduler)
+        files = commit.checksum_share(names, self.comm.rank, self.comm.world_size)
         # Only rank 0's view of the next batch and the LR goes into the manifest;
         # the others send their files and RNG digest (5,120 copies of 1,920 ids add up).
         out = {"state": state.to_dict(), "files": files, "rng": rng_digest()}
         if self.comm.rank == 0:
             out["expectation"] = self.expectation(state, args, scheduler, optimizer)
         return out
+
+    def _manifest(self, iteration: int, parts: list[dict], args: Any, started: float) -> Manifest:
+        """Rank 0: the manifest from every rank's part (the files are added by the commit)."""
+        first = parts[0]
+        expectation = dict(first["expectation"])
+        expectation["rng"] = [part["rng"] for part in parts]
+        expectation["world_size"] = self.comm.world_size
+        return Manifest(step=iteration, train_state=TrainState(**first["state"]), files={},
+                        expectation=expectation, topology=_topology(args, self.comm.world_size),
+                        config=_config(args), adapter=ADAPTER_NAME,
+                        timing={"manifest_s": round(self.clock() - started, 3)})
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -319,62 +350,80 @@ class MegatronRecorder:
 
         Newest first, rank 0 runs the commit check until one passes; then every
         rank checksums its share; a checkpoint that fails is passed over for the
-        next older one. Megatron is pointed at the choice (``args.ckpt_step``)
-        when its tracker names another. Whatever Megatron will load, its pickles
-        are read first with restricted loaders. The run's arguments are checked
-        against the record (refused: another config, or another LR ahead); with
-        ``--use-checkpoint-opt_param-scheduler`` rank 0 logs a warning for each
-        schedule argument Megatron will ignore for the checkpoint's value.
+        next older one (``--ckpt-step``: that one only). Megatron is pointed at the
+        choice (``args.ckpt_step``) when its tracker names another. Whatever Megatron
+        will load, its pickles are read first with restricted loaders. The run's
+        arguments are checked against the record (refused: another config, or
+        another LR ahead); with ``--use-checkpoint-opt_param-scheduler`` rank 0 logs a
+        warning for each schedule argument Megatron will ignore for the checkpoint's value.
         """
         self.loaded = None
         check_supported(args)
         self._hold_lease()
         pinned = getattr(args, "ckpt_step", None) or None
-        chosen: Manifest | None = None
-        passed_over: list[tuple[int, str]] = []
-        below: int | None = pinned + 1 if pinned else None
-        any_recorded = False
-        while True:
-            found = self._on_rank0(lambda b=below: self._next_committed(b, only=pinned))
-            passed_over += [tuple(p) for p in found["passed_over"]]
-            any_recorded = any_recorded or found["text"] is not None or found["recorded"]
-            if found["text"] is None:
-                break
-            manifest = Manifest.from_json(found["text"],
-                                          source=self.run.storage.url(self.run.manifest_path(found["step"])))
-            problems = self._verify_share(manifest) if self.verify_on_load else []
-            if not problems:
-                chosen = manifest
-                break
-            passed_over.append((found["step"], "; ".join(problems)))
-            below = found["step"]
-            if pinned:
-                break
+        search = self._search(pinned)
         if self.comm.rank == 0:
-            for step, why in passed_over:
+            for step, why in search.passed_over:
                 log.warning("resume: passing over %s: %s", MEGATRON_LAYOUT.dirname(step), why)
-        if chosen is None:
-            if pinned and not passed_over and not any_recorded:
-                exists = self._on_rank0(lambda: self.run.storage.isdir(MEGATRON_LAYOUT.dirname(pinned)))
-                if not exists:
-                    raise CheckpointNotFoundError(
-                        f"{self.run.storage.url(MEGATRON_LAYOUT.dirname(pinned))}: expected the checkpoint "
-                        "--ckpt-step names, actual missing")
-            if any_recorded:
-                raise NoValidCheckpointError(
-                    f"{self.run.url}: expected a checkpoint whose files verify, actual none ("
-                    + "; ".join(f"{MEGATRON_LAYOUT.dirname(s)}: {w}" for s, w in passed_over[:3]) + ")")
-            megatron_choice = pinned or self._on_rank0(lambda: _tracker_or_none(self.run.storage))
-            if megatron_choice:
-                log.warning("resume: %s: no resume manifest; Megatron loads %s and continuity is NOT "
-                            "checked for this restart", self.run.url, MEGATRON_LAYOUT.dirname(megatron_choice))
-                self._on_rank0(lambda: self._vet_pickles(megatron_choice, None))
+        if search.chosen is None:
+            self._without_manifest(pinned, search)
             return None
+        return self._point_megatron_at(search.chosen, args)
+
+    def _search(self, pinned: int | None) -> _Search:
+        """Collective: the newest committed checkpoint whose files verify (only ``pinned`` when set)."""
+        search = _Search()
+        below = pinned + 1 if pinned else None
+        while True:
+            manifest, rejected = self.collective.on_rank0(lambda b=below: self._find_latest(b, pinned))
+            search.passed_over += [(step, why) for step, why, _ in rejected]
+            search.recorded = search.recorded or manifest is not None or any(had for *_, had in rejected)
+            if manifest is None:
+                return search
+            problems = verify_share(self.run, self.collective, manifest) if self.verify_on_load else []
+            if not problems:
+                search.chosen = manifest
+                return search
+            search.passed_over.append((manifest.step, "; ".join(problems)))
+            if pinned:
+                return search
+            below = manifest.step
+
+    def _find_latest(self, below: int | None, only: int | None) -> tuple[Manifest | None, list[tuple]]:
+        """Rank 0: ``Run.find_latest`` below ``below``; what it passed over as (iteration, why,
+        had a manifest), small enough to send to every rank."""
+        if not self.run.storage.isdir(""):
+            return None, []
+        manifest, rejected = self.run.find_latest(below=below, only=only)
+        return manifest, [(r.step, r.reason, r.has_manifest) for r in rejected]
+
+    def _without_manifest(self, pinned: int | None, search: _Search) -> None:
+        """Collective: nothing of ours to load. Refused when ``--ckpt-step`` names a missing
+        checkpoint or when every recorded one failed; else Megatron loads what it would (its
+        pickles vetted first), and continuity is not checked for this restart."""
+        if pinned and not search.passed_over and not search.recorded:
+            d = MEGATRON_LAYOUT.dirname(pinned)
+            if not self.collective.on_rank0(lambda: self.run.storage.isdir(d)):
+                raise CheckpointNotFoundError(f"{self.run.storage.url(d)}: expected the checkpoint "
+                                              "--ckpt-step names, actual missing")
+        if search.recorded:
+            raise NoValidCheckpointError(
+                f"{self.run.url}: expected a checkpoint whose files verify, actual none ("
+                + "; ".join(f"{MEGATRON_LAYOUT.dirname(s)}: {w}" for s, w in search.passed_over[:3]) + ")")
+        megatron_choice = pinned or self.collective.on_rank0(lambda: _tracker_or_none(self.run.storage))
+        if megatron_choice:
+            log.warning("resume: %s: no resume manifest; Megatron loads %s and continuity is NOT "
+                        "checked for this restart", self.run.url, MEGATRON_LAYOUT.dirname(megatron_choice))
+            self.collective.on_rank0(lambda: self._vet_pickles(megatron_choice, None))
+
+    def _point_megatron_at(self, chosen: Manifest, args: Any) -> int | None:
+        """Collective: the arguments checked and the pickles vetted, Megatron pointed at ``chosen``.
+        None where Megatron will load something else (a pretrained or non-persistent checkpoint)."""
         source = self.run.storage.url(self.run.manifest_path(chosen.step))
         # The run's arguments against the record, before Megatron touches anything.
         self._check_arguments(chosen, args, source)
-        self._on_rank0(lambda: self._vet_pickles_and_name_ignored(chosen.step, chosen, args))
-        tracker = self._on_rank0(lambda: _tracker_or_none(self.run.storage))
+        self.collective.on_rank0(lambda: self._vet_pickles_and_name_ignored(chosen.step, chosen, args))
+        tracker = self.collective.on_rank0(lambda: _tracker_or_none(self.run.storage))
         if tracker != chosen.step:
             if tracker is None and getattr(args, "pretrained_checkpoint", None):
                 return None  # Megatron loads the pretrained checkpoint, not this directory
@@ -389,22 +438,6 @@ class MegatronRecorder:
         self.loaded = _Loaded(chosen, source)
         return chosen.step
 
-    def _next_committed(self, below: int | None, *, only: int | None) -> dict:
-        """Rank 0: the newest committed checkpoint below ``below``; what was passed over on the way."""
-        if not self.run.storage.isdir(""):
-            return {"step": None, "text": None, "passed_over": [], "recorded": False}
-        passed_over, recorded = [], False
-        for step in reversed(iteration_dirs(self.run.storage)):
-            if (below is not None and step >= below) or (only and step != only):
-                continue
-            result = self.run.check(step)
-            recorded = recorded or result.has_manifest
-            if result.committed:
-                return {"step": step, "text": result.manifest.to_json(), "passed_over": passed_over,
-                        "recorded": True}
-            passed_over.append((step, result.reason))
-        return {"step": None, "text": None, "passed_over": passed_over, "recorded": recorded}
-
     def _non_persistent_wins(self, args: Any, step: int) -> bool:
         """Megatron loads a non-persistent checkpoint when it is at least as new (checkpointing.py)."""
         if not getattr(args, "non_persistent_save_interval", None):
@@ -413,16 +446,8 @@ class MegatronRecorder:
             return True  # local checkpoints: where they stand is the local manager's business
         directory = getattr(args, "non_persistent_global_ckpt_dir", None) or join(self.run.storage.root,
                                                                                    "non_persistent")
-        iteration = self._on_rank0(lambda: _tracker_or_none(open_storage(directory)))
+        iteration = self.collective.on_rank0(lambda: _tracker_or_none(open_storage(directory)))
         return iteration is not None and iteration >= step
-
-    def _verify_share(self, manifest: Manifest) -> list[str]:
-        share = sorted(manifest.files)[self.comm.rank::self.comm.world_size]
-        staged, exc = _guard(lambda: {"problems": self.run.verify_checksums(manifest, share,
-                                                                            raise_unreadable=True)})
-        gathered = self.comm.all_gather_object(staged)
-        _raise_any(gathered, "checksum verification", exc)
-        return [p for g in gathered for p in g["problems"]]
 
     def _vet_pickles(self, step: int, manifest: Manifest | None) -> dict | None:
         """Every pickle Megatron will unpickle, read first with restricted loaders; the
@@ -488,13 +513,26 @@ class MegatronRecorder:
             log.warning("resume: accepted schedule change: %s", error)
 
     def after_load(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> None:
-        """Collective, after Megatron's load: the continuity check on the live objects."""
+        """Collective, after Megatron's load: the continuity check on the live objects. Every rank
+        checks its own; when one fails, every rank raises the same ContinuityError."""
         loaded = self.loaded
         if loaded is None:
             # A fresh start counts from zero; an unrecorded checkpoint's count is
             # unknown until the next save derives it.
             self._reset_count(None if iteration else 0, args)
             return
+        self.collective.each(lambda: self._check_live(loaded, iteration, args, scheduler, optimizer),
+                             f"continuity check of {MEGATRON_LAYOUT.dirname(iteration)}")
+        recorded = loaded.manifest.train_state
+        self._reset_count(recorded.updates_skipped, args)
+        if self.comm.rank == 0:
+            log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
+                     "updates)", MEGATRON_LAYOUT.dirname(iteration), iteration,
+                     recorded.updates_successful, recorded.updates_skipped)
+
+    def _check_live(self, loaded: _Loaded, iteration: int, args: Any, scheduler: Any, optimizer: Any) -> None:
+        """This rank's live objects against the record: counters, scheduler, LR ahead, schedule,
+        next batch, RNG; the first difference is a ContinuityError naming it."""
         expected = Expectation.from_dict(loaded.manifest.expectation, source=loaded.source)
         recorded = loaded.manifest.train_state
         if iteration != loaded.manifest.step:
@@ -522,17 +560,10 @@ class MegatronRecorder:
         if expected.next_batch is not None and expected.next_batch["ids"] != ids:
             raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
                                   "the data stream does not continue where it stopped")
-        problem, exc = _guard(lambda: self._check_rng(expected, loaded.manifest, args))
-        _raise_any(self.comm.all_gather_object(problem), "RNG check", exc,
-                   lambda message: ContinuityError("rng (another rank)", "restored generators", message))
-        self._reset_count(recorded.updates_skipped, args)
-        if self.comm.rank == 0:
-            log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
-                     "updates)", MEGATRON_LAYOUT.dirname(iteration), iteration,
-                     recorded.updates_successful, recorded.updates_skipped)
+        self._check_rng(expected, loaded.manifest, args)
 
     def _check_rng(self, expected: Expectation, manifest: Manifest, args: Any) -> None:
-        """This rank's generators, where Megatron restores them exactly (every rank then agrees)."""
+        """This rank's generators, where Megatron restores them exactly."""
         same_layout = manifest.topology == _topology(args, self.comm.world_size)
         if not same_layout or getattr(args, "no_load_rng", False) or getattr(args, "finetune", False):
             return  # Megatron restores RNG per (pp, tp) rank only on the same layout
@@ -548,24 +579,14 @@ class MegatronRecorder:
 
     def poll_control(self) -> list[SaveRequest]:
         """Collective: the pending ``resume save`` requests (rank 0 looks, at most every control_poll_s)."""
-        requests: list[SaveRequest] = []
-        if self.comm.rank == 0 and self.clock() - self._last_poll >= self.control_poll_s:
-            self._last_poll = self.clock()
-            try:
-                requests = pending_requests(self.run)
-            except Exception as e:  # noqa: BLE001 - a broken control area must not stop training
-                log.warning("resume: cannot read save requests under %s: %s", self.run.url, e)
+        requests = self.control.poll() if self.comm.rank == 0 else []
         (has,) = self.comm.max_flags([bool(requests)])
         return self.comm.broadcast_object(requests, src=0) if has else []
 
     def answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
-        if self.comm.rank != 0:
-            return
-        for request in requests:
-            try:
-                answer_request(self.run, request, step=step, error=error)
-            except Exception as e:  # noqa: BLE001 - the save is done; the asker times out
-                log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
+        """Rank 0 answers the requests; the other ranks have nothing to do."""
+        if self.comm.rank == 0:
+            self.control.answer(requests, step=step, error=error)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -578,15 +599,8 @@ class MegatronRecorder:
         def take() -> None:
             self._lease = Lease.take(self.run.storage, ttl_s=self.lease_ttl_s)
             atexit.register(self._lease.release)  # Megatron has no close(): free the run at exit
-        self._on_rank0(take)
+        self.collective.on_rank0(take)
         self._lease_taken = True  # on every rank alike: the next call is no collective anywhere
-
-    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only; every rank gets its value, or its error."""
-        result, exc = _guard(lambda: {"value": fn()}) if self.comm.rank == 0 else (None, None)
-        result = self.comm.broadcast_object(result, src=0)
-        _raise_any([result], "on rank 0", exc, ResumeError)
-        return result["value"]
 
 
 def vet_byte_entries(storage: Any, step_dir: str) -> None:
@@ -772,24 +786,6 @@ def _topology(args: Any, world_size: int) -> dict:
             "data_parallel": getattr(args, "data_parallel_size", None)}
 
 
-def _guard(fn: Callable[[], dict | None]) -> tuple[dict, BaseException | None]:
-    """Run a local phase; an error becomes a value every rank learns (no rank left in a collective)."""
-    try:
-        return {"ok": True, **(fn() or {})}, None
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _raise_any
-        return {"ok": False, "error": str(e) if isinstance(e, ResumeError) else f"{type(e).__name__}: {e}"}, e
-
-
-def _raise_any(results: list[dict | None], what: str, local: BaseException | None,
-               error: Callable[[str], ResumeError] = SaveFailedError) -> None:
-    """The rank that failed raises its own error; the others ``error`` naming it."""
-    if local is not None:
-        raise local
-    for rank, r in enumerate(results):
-        if r is not None and not r.get("ok", True):
-            raise error(f"{what}: rank {rank}: {r['error']}")
-
-
 def _default_comm() -> Comm:
     import torch.distributed as dist
 
@@ -812,87 +808,117 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     ``checkpoint_and_decide_exit``. ``options`` go to ``MegatronRecorder``
     when it is created here (from ``args.save`` at the first call).
     """
-    import typing
-
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override  # type: ignore[attr-defined]
-    from megatron.training import checkpointing, training
-    from megatron.training.global_vars import get_args
-
     if _INSTALLED:  # once per process: wrapping the wrappers would record every save twice
         return _INSTALLED[0]
-    box: dict[str, MegatronRecorder | None] = {"r": recorder}
+    checkpointing, training, get_args = _import_megatron_training()
+    wiring = _Wiring(checkpointing, training, get_args, recorder, options)
+    for module in (checkpointing, training):
+        if hasattr(module, "save_checkpoint"):
+            module.save_checkpoint = wiring.save_checkpoint
+        if hasattr(module, "load_checkpoint"):
+            module.load_checkpoint = wiring.load_checkpoint
+    training.train_step = wiring.train_step
+    training.checkpoint_and_decide_exit = wiring.checkpoint_and_decide_exit
+    log.info("resume: Megatron integration installed (manifests beside each torch_dist save)")
+    handle = _Lazy(wiring.recorder)
+    _INSTALLED.append(handle)
+    return handle  # type: ignore[return-value]
 
-    def rec() -> MegatronRecorder | None:
-        if box["r"] is None:
+
+_INSTALLED: list[Any] = []
+
+
+def _import_megatron_training() -> tuple[Any, Any, Callable[[], Any]]:
+    """``megatron.training``'s checkpointing and training modules and its ``get_args``."""
+    try:
+        from megatron.training import checkpointing, training
+        from megatron.training.global_vars import get_args
+    except ImportError as e:
+        raise ImportError(f"resume.adapters.megatron.install(): expected megatron.training (megatron-core, "
+                          f"on Python >= 3.12), actual {type(e).__name__}: {e}") from e
+    return checkpointing, training, get_args
+
+
+class _Wiring:
+    """What ``install()`` puts in place of megatron.training's functions: each wrapper calls the
+    original it holds, with the recorder's steps around it. The recorder is made at first use,
+    from Megatron's arguments (``install()`` may run before ``pretrain()`` parses them)."""
+
+    def __init__(self, checkpointing: Any, training: Any, get_args: Callable[[], Any],
+                 recorder: MegatronRecorder | None, options: dict) -> None:
+        self._training = training
+        self._get_args = get_args
+        self._recorder = recorder
+        self._options = options
+        self._save = checkpointing.save_checkpoint
+        self._load = checkpointing.load_checkpoint
+        self._train_step = training.train_step
+        self._decide = training.checkpoint_and_decide_exit
+
+    def recorder(self) -> MegatronRecorder | None:
+        """The recorder; None until Megatron's arguments name a save (or load) directory."""
+        if self._recorder is None:
             try:
-                args = get_args()
+                args = self._get_args()
             except AssertionError:  # install() runs before pretrain() parses the arguments
                 return None
             save_dir = args.save or args.load
             if save_dir:
-                box["r"] = MegatronRecorder(save_dir, **options)
-        return box["r"]
+                self._recorder = MegatronRecorder(save_dir, **self._options)
+        return self._recorder
 
-    original_save = checkpointing.save_checkpoint
-    original_load = checkpointing.load_checkpoint
-    original_step = training.train_step
-    original_decide = training.checkpoint_and_decide_exit
-
-    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
-        args = get_args()
-        r = rec()
+    def save_checkpoint(self, iteration, model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
+        args = self._get_args()
+        r = self.recorder()
         recorded = (r is not None and not kw.get("non_persistent_ckpt") and args.ckpt_format == "torch_dist"
                     and opt_param_scheduler is not None)  # upcycling saves a model alone
         if recorded:
             check_supported(args)
             r.before_save(iteration)
-        result = original_save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
+        result = self._save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
         if recorded:
             r.after_save(iteration, args, opt_param_scheduler, optimizer)
         return result
 
-    def load_checkpoint(model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
-        args = get_args()
+    def load_checkpoint(self, model, optimizer, opt_param_scheduler, *a: Any, **kw: Any):
+        args = self._get_args()
         load_dir = getattr(args, kw.get("load_arg", "load"), None)
-        r = rec()
+        r = self.recorder()
         if r is None or not load_dir or open_storage(load_dir).root != r.run.storage.root:
-            return original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+            return self._load(model, optimizer, opt_param_scheduler, *a, **kw)
         pinned = getattr(args, "ckpt_step", None)
         r.before_load(args)  # also refuses settings it cannot record, before any training
         try:
-            result = original_load(model, optimizer, opt_param_scheduler, *a, **kw)
+            result = self._load(model, optimizer, opt_param_scheduler, *a, **kw)
         finally:
             args.ckpt_step = pinned  # a choice made for this load only
         iteration = result[0] if isinstance(result, tuple) else result
         r.after_load(iteration, args, opt_param_scheduler, optimizer)
         return result
 
-    def train_step(*a: Any, **kw: Any):
-        result = original_step(*a, **kw)
-        r = rec()
+    def train_step(self, *a: Any, **kw: Any):
+        result = self._train_step(*a, **kw)
+        r = self.recorder()
         if r is not None:
             count_train_step(r, result)
         return result
 
-    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
+    def checkpoint_and_decide_exit(self, model, optimizer, opt_param_scheduler, iteration,
                                    num_floating_point_operations_so_far, checkpointing_context,
                                    train_data_iterator):
-        r = rec()
-        requests = r.poll_control() if r is not None and get_args().save else []
-        # Megatron's own decision first (interval, exit signal, duration): a save
-        # it makes at this iteration answers the request too, no second save.
+        """Megatron's own decision first (interval, exit signal, duration): a save it makes at
+        this iteration answers pending ``resume save`` requests too, without a second save."""
+        r = self.recorder()
+        requests = r.poll_control() if r is not None and self._get_args().save else []
         try:
-            exit_now = original_decide(model, optimizer, opt_param_scheduler, iteration,
-                                       num_floating_point_operations_so_far, checkpointing_context,
-                                       train_data_iterator)
+            exit_now = self._decide(model, optimizer, opt_param_scheduler, iteration,
+                                    num_floating_point_operations_so_far, checkpointing_context,
+                                    train_data_iterator)
             if requests and r.last_committed != iteration:
-                training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                                  num_floating_point_operations_so_far,
-                                                  checkpointing_context,
-                                                  train_data_iterator=train_data_iterator)
+                self._training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                                        num_floating_point_operations_so_far,
+                                                        checkpointing_context,
+                                                        train_data_iterator=train_data_iterator)
         except Exception as e:
             if requests:
                 r.answer(requests, step=None, error=str(e))
@@ -900,21 +926,6 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
         if requests:
             r.answer(requests, step=iteration)
         return exit_now or any(q.stop for q in requests)
-
-    for module in (checkpointing, training):
-        if hasattr(module, "save_checkpoint"):
-            module.save_checkpoint = save_checkpoint
-        if hasattr(module, "load_checkpoint"):
-            module.load_checkpoint = load_checkpoint
-    training.train_step = train_step
-    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
-    log.info("resume: Megatron integration installed (manifests beside each torch_dist save)")
-    handle = _Lazy(rec)
-    _INSTALLED.append(handle)
-    return handle  # type: ignore[return-value]
-
-
-_INSTALLED: list[Any] = []
 
 
 def count_train_step(recorder: MegatronRecorder, result: Any) -> None:
@@ -939,4 +950,3 @@ class _Lazy:
         if recorder is None:
             raise AttributeError(f"resume: no recorder yet (args.save is not set): {name}")
         return getattr(recorder, name)
-

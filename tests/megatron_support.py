@@ -15,12 +15,31 @@ import pytest
 import torch
 
 
-def require_megatron() -> None:
-    """Import megatron.core (and make megatron.training importable on Python 3.11), or skip."""
-    if not hasattr(typing, "override"):  # megatron.training uses typing.override (3.12)
-        import typing_extensions
+def alias_typing_override() -> None:
+    """Python 3.11 only: ``typing.override`` as ``typing_extensions.override``.
 
+    megatron-core 0.19.2 declares Python >= 3.12 and ``megatron.training`` imports
+    ``typing.override`` (new in 3.12); the rest of its code runs on 3.11, where the tests
+    run (notes/megatron.md). This test-only shim stands in for the newer Python; the
+    product (``resume.adapters.megatron``) patches nothing. It is applied when this module
+    is imported, so every process that imports the tests' Megatron helpers
+    (``megatron_training_run``, ``megatron_workload``, spawned ranks too) has it before
+    ``install()`` imports ``megatron.training``.
+    """
+    if not hasattr(typing, "override"):
+        try:
+            import typing_extensions
+        except ImportError:  # then megatron-core is not installed either (its extra brings it)
+            return
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+
+alias_typing_override()
+
+
+def require_megatron() -> None:
+    """Import megatron.core (``megatron.training`` importable on Python 3.11 too), or skip."""
+    alias_typing_override()
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
