@@ -166,56 +166,74 @@ def simulate(a: Assumptions, interval_s: float, failures: list[tuple[float, bool
         raise UsageError(f"interval: expected > 0 seconds, actual {interval_s}")
     failures = failure_times(a) if failures is None else failures
     horizon = a.days * DAY
-    cycle = interval_s + a.stall_s
-    useful = lost = restarts = stalls = 0.0
-    t = 0.0
-    slow_until = 0.0  # shrunk (fewer replicas) until the next requeue gives full size back
-    without_spare = 0
+    run = _Timeline(a, interval_s)
+    for when, has_spare in failures:
+        run.fail(when, has_spare)
+    run.finish(horizon)
+    wall = max(horizon, run.t)
+    return SimResult(interval_s=interval_s, goodput=run.useful / wall, failures=len(failures),
+                     failures_without_spare=sum(not has_spare for _, has_spare in failures),
+                     work_lost_s=run.lost, restart_s=run.restarts, stall_total_s=run.stalls, wall_s=wall)
 
-    def run_until(end: float) -> tuple[float, float, float]:
+
+@dataclass
+class _Timeline:
+    """One simulated run, failure after failure: its clock, and what the time went to."""
+
+    a: Assumptions
+    interval_s: float
+    t: float = 0.0
+    """When the training (re)started last, or will once the restart in progress is done."""
+    slow_until: float = 0.0
+    """Shrunk (fewer replicas) until the next requeue gives full size back."""
+    useful: float = 0.0
+    lost: float = 0.0
+    restarts: float = 0.0
+    stalls: float = 0.0
+
+    def fail(self, when: float, has_spare: bool) -> None:
+        if when < self.t:  # failed while restarting: the restart starts over
+            restart = self._restart_after(when, has_spare)
+            self.restarts += (when + restart) - self.t
+            self.t = when + restart
+            return
+        committed, uncommitted, stalled = self._work_until(when)
+        self.useful += committed
+        self.lost += uncommitted
+        self.stalls += stalled
+        restart = self._restart_after(when, has_spare)
+        self.restarts += restart
+        self.t = when + restart
+
+    def finish(self, horizon: float) -> None:
+        if self.t < horizon:
+            committed, uncommitted, stalled = self._work_until(horizon)
+            self.useful += committed + uncommitted  # the run's end is not a failure
+            self.stalls += stalled
+
+    def _work_until(self, end: float) -> tuple[float, float, float]:
         """Committed work, uncommitted work and stall time from t (fresh start) to end,
         work counted at full-size speed (a shrunk stretch at ``shrink_factor``)."""
-        span = max(0.0, end - t)
+        a, cycle = self.a, self.interval_s + self.a.stall_s
+        span = max(0.0, end - self.t)
         full = math.floor(span / cycle)
         rest = span - full * cycle
-        slow = max(0.0, min(end, slow_until) - t)
+        slow = max(0.0, min(end, self.slow_until) - self.t)
         speed = 1.0 if span == 0 else (slow * a.shrink_factor + (span - slow)) / span
-        return (full * interval_s * speed, min(rest, interval_s) * speed,
-                full * a.stall_s + max(0.0, rest - interval_s))
+        return (full * self.interval_s * speed, min(rest, self.interval_s) * speed,
+                full * a.stall_s + max(0.0, rest - self.interval_s))
 
-    def restart_after(when: float, has_spare: bool) -> float:
-        nonlocal slow_until
+    def _restart_after(self, when: float, has_spare: bool) -> float:
+        a = self.a
         if has_spare:
             return a.restart_spare_s
         if a.no_spare == "shrink":
             # Relaunch inside the allocation on fewer replicas until the job's
             # next requeue (its time limit) brings a full-size allocation back.
-            slow_until = max(slow_until, (math.floor(when / a.requeue_every_s) + 1) * a.requeue_every_s)
+            self.slow_until = max(self.slow_until,
+                                  (math.floor(when / a.requeue_every_s) + 1) * a.requeue_every_s)
             return a.restart_spare_s
         return a.restart_requeue_s
-
-    for when, has_spare in failures:
-        without_spare += not has_spare
-        if when < t:  # failed while restarting: the restart starts over
-            restart = restart_after(when, has_spare)
-            restarts += (when + restart) - t
-            t = when + restart
-            continue
-        committed, uncommitted, stalled = run_until(when)
-        useful += committed
-        lost += uncommitted
-        stalls += stalled
-        restart = restart_after(when, has_spare)
-        restarts += restart
-        t = when + restart
-    if t < horizon:
-        committed, uncommitted, stalled = run_until(horizon)
-        useful += committed + uncommitted  # the run's end is not a failure
-        stalls += stalled
-    wall = max(horizon, t)
-    return SimResult(interval_s=interval_s, goodput=useful / wall, failures=len(failures),
-                     failures_without_spare=without_spare, work_lost_s=lost, restart_s=restarts,
-                     stall_total_s=stalls, wall_s=wall)
 
 
 def best_interval(a: Assumptions, *, points: int = 41, replications: int = 32) -> tuple[SimResult, float]:
