@@ -9,8 +9,9 @@ Megatron's, not merely close (tests compare them with ``==`` at the reference
 schedule's corners and at 1,000 random points against the real class).
 
 ``schedule_arguments`` says which ``megatron.training`` argument sets which field
-of the scheduler's saved state, and to what (the restart check names an argument
-Megatron ignores under ``--use-checkpoint-opt_param-scheduler`` with it).
+of the scheduler's saved state, and to what; with it ``ignored_schedule_arguments``
+names, for the restart check, each argument Megatron ignores under
+``--use-checkpoint-opt_param-scheduler`` with the checkpoint's value.
 
 Positions are in Megatron's own unit: ``num_steps`` counts samples (each
 successful update advances it by the global batch, in sample-based and in
@@ -25,7 +26,7 @@ from typing import Any
 
 from resume.errors import ManifestError, UsageError
 
-__all__ = ["MegatronSchedule", "ScheduleArgument", "schedule_arguments"]
+__all__ = ["MegatronSchedule", "ScheduleArgument", "ignored_schedule_arguments", "schedule_arguments"]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -266,17 +267,91 @@ def schedule_arguments(args: Any) -> list[ScheduleArgument]:
                                     fields={"lr_warmup_steps": warmup_given * per_unit}, unit=unit))
     out.append(ScheduleArgument(flag="--lr-decay-style", given=args.lr_decay_style,
                                 fields={"lr_decay_style": args.lr_decay_style}))
-    # Weight decay, with the parser's defaults where a caller's arguments have none.
+    out += _weight_decay_arguments(args)
+    out.append(ScheduleArgument(flag=train_flag, given=total, fields=train_fields, unit=unit))
+    return out
+
+
+def _weight_decay_arguments(args: Any) -> list[ScheduleArgument]:
+    """The weight-decay entries, with the parser's defaults where a caller's arguments have none."""
     style = getattr(args, "weight_decay_incr_style", "constant")
     start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
     if style == "constant":
         wd = getattr(args, "weight_decay", 0.01)
-        out.append(ScheduleArgument(flag="--weight-decay", given=wd,
-                                    fields={"start_wd": wd if start is None else start,
-                                            "end_wd": wd if end is None else end}))
+        out = [ScheduleArgument(flag="--weight-decay", given=wd,
+                                fields={"start_wd": wd if start is None else start,
+                                        "end_wd": wd if end is None else end})]
     else:
-        out.append(ScheduleArgument(flag="--start-weight-decay", given=start, fields={"start_wd": start}))
-        out.append(ScheduleArgument(flag="--end-weight-decay", given=end, fields={"end_wd": end}))
+        out = [ScheduleArgument(flag="--start-weight-decay", given=start, fields={"start_wd": start}),
+               ScheduleArgument(flag="--end-weight-decay", given=end, fields={"end_wd": end})]
     out.append(ScheduleArgument(flag="--weight-decay-incr-style", given=style, fields={"wd_incr_style": style}))
-    out.append(ScheduleArgument(flag=train_flag, given=total, fields=train_fields, unit=unit))
     return out
+
+
+# -- the arguments Megatron ignores with --use-checkpoint-opt_param-scheduler ---------------------
+
+
+# What Megatron takes from the arguments even with --use-checkpoint-opt_param-scheduler:
+# MegatronSchedule field -> the argument.
+STILL_FROM_ARGUMENTS = (("max_lr", "--lr"), ("min_lr", "--min-lr"), ("init_lr", "--lr-warmup-init"),
+                        ("wsd_decay_steps", "--lr-wsd-decay-samples/iters"),
+                        ("lr_wsd_decay_style", "--lr-wsd-decay-style"))
+
+# What each field of the scheduler's state decides, for the warnings.
+FIELD_MEANING = {"lr_decay_steps": "the LR decay length", "lr_warmup_steps": "the LR warm-up length",
+                 "lr_decay_style": "the LR decay style", "start_wd": "the weight decay",
+                 "end_wd": "the weight decay", "wd_incr_steps": "the weight-decay increment length",
+                 "wd_incr_style": "the weight-decay increment style"}
+
+# The fields Megatron-Core 0.19.2's OptimizerParamScheduler.load_state_dict restores only after
+# it has stepped to the loaded position, a step that set every group's weight decay from the
+# arguments' values: the first update after the restart applies that weight decay.
+WEIGHT_DECAY_FIELDS = frozenset({"start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"})
+
+
+def ignored_schedule_arguments(args: Any, checkpoint: dict | None) -> list[str]:
+    """With ``--use-checkpoint-opt_param-scheduler``: a line for each argument whose value
+    Megatron ignores for the checkpoint's, naming the argument and both values.
+
+    ``checkpoint`` is the ``opt_param_scheduler`` state Megatron will load. Not named: ``--lr``
+    and ``--min-lr`` (the optimizer's param groups carry them, so they still apply, and the LR
+    check covers them); a field the checkpoint lacks (Megatron keeps the argument's then) or
+    holds no plain value for; the weight-decay increment length while the increment style is
+    constant (it has no effect).
+    """
+    if not checkpoint:
+        return []
+    lines = []
+    for arg in schedule_arguments(args):
+        if arg.in_param_groups or not all(_plain(checkpoint.get(f, None)) for f in arg.fields):
+            continue
+        changed = [f for f, value in arg.fields.items() if checkpoint[f] != value
+                   and not (f == "wd_incr_steps" and checkpoint.get("wd_incr_style") == "constant")]
+        if changed:
+            lines.append(_describe_ignored(arg, checkpoint, args.global_batch_size, changed))
+    return lines
+
+
+def _plain(value: Any) -> bool:
+    """A value the comparison and the message can use (the state came from an untrusted file:
+    a number, or a short printable word)."""
+    if isinstance(value, str):
+        return len(value) <= 64 and value.isprintable()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _describe_ignored(arg: ScheduleArgument, checkpoint: dict, global_batch: int, changed: list[str]) -> str:
+    given, kept = f"{arg.flag} {arg.given}", f"{arg.checkpoint_value(checkpoint, global_batch)}"
+    if arg.default_of:
+        given += f" (= {arg.default_of}, its default)"
+    if arg.unit in ("iterations", "fraction") and len(arg.fields) == 1:
+        (name,) = arg.fields
+        given += f" ({arg.fields[name]} samples)"
+        kept += f" ({checkpoint[name]} samples)"
+    what = " and ".join(dict.fromkeys(FIELD_MEANING.get(f, f) for f in changed))
+    line = (f"Megatron ignores {given} from the command line for {what} and continues with the "
+            f"checkpoint's {kept} (--use-checkpoint-opt_param-scheduler)")
+    if WEIGHT_DECAY_FIELDS.intersection(changed):
+        line += ("; the first update after the restart still applies the command line's weight decay "
+                 "(Megatron-Core steps the scheduler before it restores the weight-decay fields)")
+    return line

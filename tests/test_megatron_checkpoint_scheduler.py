@@ -18,8 +18,7 @@ import sys
 
 import pytest
 from multiproc import run_ranks
-from resume.adapters.megatron import ignored_schedule_arguments
-from resume.adapters.megatron_schedule import MegatronSchedule, schedule_arguments
+from resume.adapters.megatron_schedule import MegatronSchedule, ignored_schedule_arguments, schedule_arguments
 
 FLAG = "--use-checkpoint-opt_param-scheduler"
 
