@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from resume.cluster.environment import JobEnvironment
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -437,6 +438,12 @@ class NativeTorchAdapter(Adapter):
             out += [applied[j] if applied is not None and j < len(applied) else None
                     for j in range(len(opt.param_groups))]
         return out
+
+    @property
+    def job_id(self) -> str | None:
+        """Slurm's job id or torchrun's run id (``resume.cluster.environment``): the lease
+        holder's name, the same in the job's requeued and restarted copies."""
+        return JobEnvironment.from_env().job_id
 
     @property
     def lr_set_by_loop(self) -> bool:

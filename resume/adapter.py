@@ -115,6 +115,13 @@ class Adapter(ABC):
         return None
 
     @property
+    def job_id(self) -> str | None:
+        """The job's identity, kept across requeues and restarts, from the cluster layer
+        (``resume.cluster.environment``); the lease names its holder with it. None: the
+        lease uses ``RESUME_JOB_ID``, else ``host:pid``."""
+        return None
+
+    @property
     def lr_set_by_loop(self) -> bool:
         """True when the loop sets the LR just before each step (a hand-set schedule)."""
         return False

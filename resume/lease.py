@@ -11,8 +11,13 @@ and rewrites it every ``ttl_s / 4`` seconds from a thread. Another job is
 refused with :class:`RunBusyError` naming the holder, unless the lease is
 stale: its heartbeat is older than ``ttl_s`` (wall clocks of the hosts are
 assumed to agree within a fraction of it), or the holder is a process on this
-host that no longer exists. A requeued copy of the same job (the same
-``SLURM_JOB_ID``, or ``RESUME_JOB_ID``) takes over its own lease at once.
+host that no longer exists. A requeued copy of the same job (the same job id)
+takes over its own lease at once.
+
+The job id is the caller's: the adapter's ``job_id``, which the cluster layer
+reads from the cluster's environment (``resume.cluster.environment``: Slurm's job
+id, torchrun's run id, both kept across restarts); else ``RESUME_JOB_ID``; else
+``host:pid``, which no restart keeps. This module reads no cluster's variables.
 
 Two jobs that find the same stale lease at the same moment both write theirs;
 the heartbeat reads the file back before each refresh, and every commit checks
@@ -36,18 +41,13 @@ from typing import Any
 
 from .errors import LeaseLostError, RunBusyError
 
-__all__ = ["LEASE_NAME", "Holder", "Lease", "job_identity", "pid_namespace", "read_holder"]
+__all__ = ["JOB_ID_ENV", "LEASE_NAME", "Holder", "Lease", "pid_namespace", "read_holder"]
 
 log = logging.getLogger("resume")
 
 LEASE_NAME = "lease.json"
-
-
-def job_identity() -> str:
-    """This job: RESUME_JOB_ID, else SLURM_JOB_ID (kept across a requeue), else torchrun's
-    TORCHELASTIC_RUN_ID (kept across its restarts), else host:pid."""
-    return (os.environ.get("RESUME_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-            or os.environ.get("TORCHELASTIC_RUN_ID") or f"{socket.gethostname()}:{os.getpid()}")
+JOB_ID_ENV = "RESUME_JOB_ID"
+"""Set by hand, it names the job for the lease whatever the cluster says."""
 
 
 def pid_namespace() -> int | None:
@@ -146,8 +146,8 @@ class Lease:
         self.storage = storage
         self.ttl_s = ttl_s
         self.clock = clock
-        self.job_id = job_id or job_identity()
         self.host = socket.gethostname()
+        self.job_id = job_id or os.environ.get(JOB_ID_ENV) or f"{self.host}:{os.getpid()}"
         self.token = uuid.uuid4().hex
         self.lost: str | None = None
         self._acquired_at = 0.0
@@ -185,9 +185,10 @@ class Lease:
             raise RunBusyError(f"{self.url}: expected to hold the lease after writing it, actual {other}")
 
     @classmethod
-    def take(cls, storage: Any, *, ttl_s: float) -> Lease:
-        """Acquire a lease and keep it beating (rank 0 of a writing job)."""
-        lease = cls(storage, ttl_s=ttl_s)
+    def take(cls, storage: Any, *, ttl_s: float, job_id: str | None = None) -> Lease:
+        """Acquire a lease and keep it beating (rank 0 of a writing job). ``job_id``: the
+        job's identity kept across its restarts (``Adapter.job_id``); None: see the module."""
+        lease = cls(storage, ttl_s=ttl_s, job_id=job_id)
         lease.acquire()
         lease.start_heartbeat()
         return lease

@@ -152,18 +152,42 @@ def test_a_dead_pid_in_another_pid_namespace_of_this_host_says_nothing(storage, 
         lease_for(storage, clock, "5151").acquire()
 
 
-def test_the_job_id_survives_a_requeue_or_a_torchrun_restart(monkeypatch):
-    from resume.lease import job_identity
+def test_the_job_id_survives_a_requeue_or_a_torchrun_restart(monkeypatch, storage):
+    """The cluster layer names the job; the torch adapter hands that name to the lease."""
+    import torch
+    from resume.adapters.torch_native import NativeTorchAdapter
+    from resume.cluster.environment import JobEnvironment
 
+    assert JobEnvironment.from_env({}).job_id is None
+    env = {"TORCHELASTIC_RUN_ID": "elastic-7"}
+    assert JobEnvironment.from_env(env).job_id == "elastic-7"
+    env["SLURM_JOB_ID"] = "4242"
+    assert JobEnvironment.from_env(env).job_id == "4242"
+    env["RESUME_JOB_ID"] = "mine"
+    assert JobEnvironment.from_env(env).job_id == "mine"
+
+    for name in ("RESUME_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    model = torch.nn.Linear(2, 2)
+    adapter = NativeTorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert adapter.job_id == "4242"
+    lease = Lease.take(storage, ttl_s=TTL, job_id=adapter.job_id)
+    try:
+        assert read_holder(storage).job_id == "4242"
+    finally:
+        lease.release()
+
+
+def test_the_core_lease_reads_no_cluster_variable_only_resume_job_id_else_host_pid(monkeypatch, storage):
     for name in ("RESUME_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    assert job_identity() == f"{socket.gethostname()}:{os.getpid()}"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
-    assert job_identity() == "elastic-7"
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    assert job_identity() == "4242"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    assert Lease(storage).job_id == f"{socket.gethostname()}:{os.getpid()}"
     monkeypatch.setenv("RESUME_JOB_ID", "mine")
-    assert job_identity() == "mine"
+    assert Lease(storage).job_id == "mine"
+    assert Lease(storage, job_id="5151").job_id == "5151"  # the caller's (the adapter's) first
 
 
 def test_a_dead_pid_on_another_host_says_nothing_and_the_lease_holds(storage, clock):
