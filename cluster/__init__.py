@@ -1,7 +1,21 @@
-"""Cluster integration (imported as ``resume.cluster``): Slurm, the 640-node layout, simulation.
+"""Cluster integration (imported as ``resume.cluster``): the edge that knows the cluster.
 
-Nothing here yet; the core (``resume``) never reads ``SLURM_*``: this package
-passes cluster facts in.
+The core (``resume``) reads no cluster's environment variables; the modules here
+read them and pass facts in. Import the module you need:
+
+- ``environment``: the job's identity from its environment (``JobEnvironment``),
+  which the adapters hand to the lease;
+- ``slurm``: the Slurm boundary: the batch job's facts (``SlurmJob``) and the few
+  commands the hook runs, with timeouts and bounded retries;
+- ``hook``: the requeue hook, ``resume slurm run``: saves on USR1/TERM, relaunches
+  on spares, shrinks, requeues, stops a crash loop;
+- ``grace``: the grace budget, one formula over the run's measured save times;
+- ``crash_loop``: the policy that stops the requeueing;
+- ``template``: the sbatch script ``resume slurm template`` writes;
+- ``layout``: the parallel layout (rank <-> node <-> tp, cp, dp, pp) and the valid
+  data-parallel sizes, for ``resume plan``;
+- ``simulate``: failures, checkpoint stalls and restarts of a long run, for the
+  best checkpoint interval and the number of spares (``resume simulate``).
 """
 
 __all__: list[str] = []

@@ -10,9 +10,9 @@ and supervises it:
 - the step fails: find the allocation's nodes that Slurm reports bad, record
   them in the run, relaunch inside the allocation on spare nodes when enough
   are healthy; otherwise on the next valid data-parallel size (global batch
-  kept); otherwise requeue with the bad nodes excluded.
-- crash loop: K failures in a row with no new committed checkpoint stop the
-  requeueing, loudly, with exit code 5.
+  kept); otherwise requeue (Slurm allocates no node it reports bad).
+- crash loop (``CrashLoopPolicy``): K failures in a row with no new committed
+  checkpoint stop the requeueing, loudly, with exit code 5.
 - the step ends with 0: training finished (or was asked to stop), exit 0.
 
 Every decision is a JSON line in ``RUN/cluster/events.jsonl`` with its reason.
@@ -36,6 +36,9 @@ from resume.control import pending_requests, post_save_request, wait_for_answer,
 from resume.errors import ResumeError, UsageError
 from resume.run import MEGATRON_LAYOUT, Run, detect_layout, utc_now
 
+from .crash_loop import CrashLoopPolicy
+from .grace import STOP_MARGIN_S, grace_budget
+from .layout import valid_dp_sizes
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
@@ -43,8 +46,6 @@ __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 EXIT_CRASH_LOOP = 5
 EXIT_UNRECOVERABLE = 1
 EVENTS = "cluster/events.jsonl"
-STOP_MARGIN_S = 30.0
-"""Of the signal's lead time, what is kept for stopping the step and requeueing."""
 STATE = "cluster/hook.json"
 
 
@@ -65,7 +66,8 @@ class HookConfig:
     crash_loop: int = 3
     """This many step failures in a row without a new checkpoint stop the requeueing."""
     grace_s: float | None = None
-    """Seconds to wait for the save after USR1/TERM; default: from measured save times."""
+    """Seconds from USR1/TERM to Slurm's kill (the template's --grace); default: the grace
+    budget of the run's measured save times (``resume.cluster.grace``)."""
     step_exit_s: float = 60.0
     """After the save, how long the step may take to leave by itself before it is stopped."""
     poll_s: float = 0.5
@@ -100,8 +102,7 @@ class HookConfig:
                              f"{self.micro_batch}, actual {self.global_batch}")
 
     def valid_dp(self, max_dp: int) -> list[int]:
-        micro_batches = self.global_batch // self.micro_batch
-        return [d for d in range(max_dp, 0, -1) if micro_batches % d == 0]
+        return valid_dp_sizes(global_batch=self.global_batch, micro_batch=self.micro_batch, max_dp=max_dp)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Supervisor:
         self.rundir = Run.open(cfg.run_url, create=True,
                                layout=MEGATRON_LAYOUT if cfg.exit_signal else None)
         self.state = self._load_state()
+        self.crash_loop = CrashLoopPolicy(cfg.crash_loop)
         self._signal: int | None = None
         full = (len(job.nodes) - cfg.spares) // cfg.nodes_per_replica
         valid = cfg.valid_dp(full)
@@ -154,7 +156,7 @@ class Supervisor:
         while True:
             chosen = self._choose_nodes()
             if chosen is None:
-                return self._requeue_excluding("not enough healthy nodes for any valid data-parallel size")
+                return self._requeue_elsewhere("not enough healthy nodes for any valid data-parallel size")
             dp, nodes = chosen
             proc = self._launch(dp, nodes)
             try:
@@ -230,10 +232,10 @@ class Supervisor:
             return None
         self.state.failures.append({"at": utc_now(), "exit_code": rc, "committed_step": committed})
         self._save_state()
-        recent = self.state.failures[-self.cfg.crash_loop:]
-        if len(recent) == self.cfg.crash_loop and len({f["committed_step"] for f in recent}) == 1:
-            self.event("crash_loop", failures=len(recent), committed_step=committed,
-                       reason=f"{len(recent)} failures in a row on healthy nodes without a new "
+        if self.crash_loop.should_stop(self.state.failures):
+            limit = self.crash_loop.limit
+            self.event("crash_loop", failures=limit, committed_step=committed,
+                       reason=f"{limit} failures in a row on healthy nodes without a new "
                               f"checkpoint (last committed step {committed}); not requeueing")
             return EXIT_CRASH_LOOP
         self.event("step_failed", exit_code=rc, committed_step=committed,
@@ -246,7 +248,7 @@ class Supervisor:
         # lead time is the template's --grace; STOP_MARGIN_S of it is for stopping.
         started = self.clock()
         lead = self.cfg.grace_s
-        save_wait = self._grace_budget() if lead is None else max(1.0, lead - STOP_MARGIN_S)
+        save_wait = self._save_wait()
         self.event("signal", signal=name, save_wait_s=save_wait, lead_s=lead,
                    reason="time limit ahead or preemption: save, stop, requeue")
         saved = False
@@ -314,9 +316,15 @@ class Supervisor:
                 return False
             self.sleep(self.cfg.poll_s)
 
-    def _requeue_excluding(self, reason: str) -> int:
-        # A plain requeue: the nodes recorded bad are down or drained, which
-        # Slurm does not allocate. (requeuehold would TERM this very hook.)
+    def _requeue_elsewhere(self, reason: str) -> int:
+        """A plain requeue: the nodes recorded bad are down, drained or failing, which Slurm
+        does not allocate, so the requeued job starts on others.
+
+        No ExcNodeList: Slurm refuses it while the job runs ("Job is no longer pending
+        execution"), and once set it would keep a repaired node out of every later start
+        of this job, so the job could not grow back. (requeuehold would TERM this very hook.)
+        The event keeps its name, ``requeue_excluding``, for the runbooks' greps.
+        """
         return self._requeue("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
 
     def _requeue(self, kind: str, **fields: Any) -> int:
@@ -340,18 +348,10 @@ class Supervisor:
         except OSError as e:
             self.event("control_unreadable", reason=str(e))
 
-    def _grace_budget(self) -> float:
-        if self.cfg.grace_s is not None:
-            return self.cfg.grace_s
-        measured = []
-        for step in self.rundir.step_dirs()[-5:]:
-            try:
-                measured.append(float(self.rundir.read_manifest(step).timing.get("save_s", 0)))
-            except (ResumeError, ValueError, TypeError):
-                continue
-        # Twice the slowest recent save plus the time to reach an iteration
-        # boundary and poll the control area; 120 s before anything was measured.
-        return max(measured) * 2 + 30 if measured else 120.0
+    def _save_wait(self) -> float:
+        """How long to wait for the save after the signal: the grace budget (``--grace``, else
+        from measured saves) less what is kept for stopping the step and requeueing."""
+        return max(1.0, grace_budget(self.rundir, override=self.cfg.grace_s) - STOP_MARGIN_S)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -443,12 +443,11 @@ class Supervisor:
 
     def _newer_committed(self, before: int | None) -> int | None:
         """The newest committed checkpoint after ``before``; only newer directories are checked."""
-        for step in reversed(self.rundir.step_dirs()):
-            if before is not None and step <= before:
-                return None
-            if self.rundir.is_committed(step):
-                return step
-        return None
+        try:
+            manifest, _ = self.rundir.find_latest(above=before)
+        except OSError:  # StorageError included: nothing seen yet, the next poll looks again
+            return None
+        return manifest.step if manifest is not None else None
 
     def _latest_committed(self) -> int | None:
         if self.cfg.exit_signal is None:

@@ -19,7 +19,14 @@ from dataclasses import asdict, dataclass
 
 from resume.errors import UsageError
 
-__all__ = ["REFERENCE", "Layout", "RankCoords"]
+__all__ = ["REFERENCE", "Layout", "RankCoords", "valid_dp_sizes"]
+
+
+def valid_dp_sizes(*, global_batch: int, micro_batch: int, max_dp: int) -> list[int]:
+    """Data-parallel sizes up to ``max_dp`` that split the global batch into equal
+    micro-batches on every rank, largest first: the sizes a job may shrink to."""
+    micro_batches = global_batch // micro_batch
+    return [d for d in range(max_dp, 0, -1) if micro_batches % d == 0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +108,8 @@ class Layout:
     @property
     def valid_dp(self) -> list[int]:
         """Data-parallel sizes that fit and split the global batch evenly, largest first."""
-        return [d for d in range(self.max_dp, 0, -1) if self.micro_batches % d == 0]
+        return valid_dp_sizes(global_batch=self.global_batch, micro_batch=self.micro_batch,
+                              max_dp=self.max_dp)
 
     @property
     def dp(self) -> int:

@@ -157,10 +157,6 @@ class Slurm:
     def requeue(self, job_id: str) -> None:
         self.call("scontrol", "requeue", job_id)
 
-    def exclude_nodes(self, job_id: str, nodes: list[str]) -> None:
-        """Nodes the requeued job must not get again (set while it is pending)."""
-        self.call("scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(nodes)}")
-
     def node_states(self, nodes: list[str]) -> dict[str, str]:
         """Node -> state (``idle``, ``allocated``, ``down*``, ``drained``...), lower case."""
         out = self.call("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T")

@@ -13,6 +13,8 @@ import sys
 import threading
 
 import pytest
+from resume.cluster.crash_loop import CrashLoopPolicy
+from resume.cluster.grace import grace_budget, recent_save_times
 from resume.cluster.hook import EXIT_CRASH_LOOP, HookConfig, Supervisor
 from resume.cluster.slurm import (
     NotInAllocationError,
@@ -23,9 +25,12 @@ from resume.cluster.slurm import (
 )
 from resume.cluster.template import SbatchTemplate
 
+from resume.checksum import checksum_bytes
 from resume.control import answer_request, pending_requests
 from resume.errors import UsageError
+from resume.manifest import FileEntry, Manifest
 from resume.run import Run
+from resume.state import TrainState
 
 
 @pytest.mark.parametrize("text, nodes", [
@@ -133,6 +138,14 @@ def hook(tmp_path, nodes, launcher, *, spares=0, states=None, **kw):
     return Supervisor(cfg, job, slurm, popen=launcher, sleep=lambda s: None), slurm
 
 
+def commit_checkpoint(run, step, *, timing=None):
+    """A committed checkpoint of one file, as the training would leave it."""
+    run.storage.write_bytes_atomic(run.step_path(step, "x"), b"x")
+    run.write_manifest(Manifest(step=step, train_state=TrainState(iteration=step, updates_successful=step,
+                                                                samples_read=8 * step),
+                                files={"x": FileEntry(1, checksum_bytes(b"x"))}, timing=timing or {}))
+
+
 def events(tmp_path):
     with open(tmp_path / "run" / "cluster" / "events.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -195,16 +208,8 @@ def test_failures_with_progress_in_between_are_not_a_crash_loop(tmp_path):
     run_dir = tmp_path / "run"
 
     def commit_a_checkpoint():
-        from resume.checksum import checksum_bytes
-        from resume.manifest import FileEntry, Manifest
-        from resume.state import TrainState
-
         run = Run.open(str(run_dir), create=True)
-        step = len(run.step_dirs()) + 1
-        run.storage.write_bytes_atomic(f"step-{step:09d}/x", b"x")
-        run.write_manifest(Manifest(step=step, train_state=TrainState(iteration=step, updates_successful=step,
-                                                                    samples_read=8 * step),
-                                    files={"x": FileEntry(1, checksum_bytes(b"x"))}))
+        commit_checkpoint(run, len(run.step_dirs()) + 1)
 
     steps = [lambda: FakeStep(1, on_start=commit_a_checkpoint)] * 4 + [lambda: FakeStep(0)]
     sup, _ = hook(tmp_path, ["n1", "n2"], Launcher(steps), crash_loop=3)
@@ -251,17 +256,59 @@ def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
 
 def test_grace_budget_comes_from_measured_saves(tmp_path):
     sup, _ = hook(tmp_path, ["n1"], Launcher([]))
-    assert sup._grace_budget() == 120.0  # nothing measured yet
-    from resume.checksum import checksum_bytes
-    from resume.manifest import FileEntry, Manifest
-    from resume.state import TrainState
+    assert grace_budget(sup.rundir) == 300.0  # nothing measured yet
+    assert sup._save_wait() == 270.0  # 30 s of it are for stopping the step and requeueing
+    commit_checkpoint(sup.rundir, 5, timing={"save_s": 20.0})
+    assert grace_budget(sup.rundir) == 100.0  # 2 x 20 + 30 to reach a boundary + 30 to stop
+    assert sup._save_wait() == 70.0
 
-    sup.rundir.storage.write_bytes_atomic("step-000000005/x", b"x")
-    sup.rundir.write_manifest(Manifest(step=5, train_state=TrainState(iteration=5, updates_successful=5,
-                                                                   samples_read=40),
-                                    files={"x": FileEntry(1, checksum_bytes(b"x"))},
-                                    timing={"save_s": 20.0}))
-    assert sup._grace_budget() == 70.0
+
+def test_grace_given_on_the_command_line_is_the_budget(tmp_path):
+    sup, _ = hook(tmp_path, ["n1"], Launcher([]), grace_s=240)
+    commit_checkpoint(sup.rundir, 5, timing={"save_s": 500.0})
+    assert grace_budget(sup.rundir, override=240) == 240.0
+    assert sup._save_wait() == 210.0
+
+
+def test_grace_budget_measures_only_the_newest_committed_saves(tmp_path):
+    run = Run.open(str(tmp_path / "run"), create=True)
+    commit_checkpoint(run, 1, timing={"save_s": 1000.0})  # older than the recent five: not read
+    for step, save_s in ((2, 10.0), (3, 40.0), (4, "slow"), (5, 20.0)):
+        commit_checkpoint(run, step, timing={"save_s": save_s})
+    commit_checkpoint(run, 6, timing={"manifest_s": 0.1})  # Megatron's: measured nothing
+    run.storage.write_bytes_atomic(run.step_path(7, "x"), b"x")  # torn: no manifest
+    assert recent_save_times(run) == [20.0, 40.0, 10.0]
+    assert grace_budget(run) == 2 * 40.0 + 60
+
+
+def test_grace_budget_of_unreadable_storage_is_the_default(tmp_path):
+    run = Run.open(str(tmp_path / "run"), create=True)
+    commit_checkpoint(run, 5, timing={"save_s": 20.0})
+
+    def down(path=""):
+        raise OSError("storage down")
+
+    run.storage.listdir = down
+    assert grace_budget(run) == 300.0
+
+
+@pytest.mark.parametrize("steps, stops", [
+    ([], False),
+    ([5, 5], False),                  # not yet the limit
+    ([5, 5, 5], True),                # three in a row, no new checkpoint
+    ([None, None, None], True),       # nothing ever committed
+    ([4, 5, 5], False),               # progress within the last three
+    ([5, 5, 5, 6], False),            # progress since: the loop is broken
+    ([3, 4, 6, 6, 6], True),
+])
+def test_crash_loop_policy_stops_after_the_limit_without_progress(steps, stops):
+    failures = [{"exit_code": 1, "committed_step": s} for s in steps]
+    assert CrashLoopPolicy(3).should_stop(failures) is stops
+
+
+def test_crash_loop_limit_must_be_positive():
+    with pytest.raises(UsageError, match="crash loop"):
+        CrashLoopPolicy(0)
 
 
 def test_template_has_the_directives_the_hook_relies_on():
@@ -376,11 +423,6 @@ def test_hardware_failures_do_not_count_towards_a_crash_loop(tmp_path):
 def test_exit_signal_mode_signals_the_step_and_waits_for_the_committed_manifest(tmp_path):
     """Megatron-LM with --exit-signal-handler: the hook forwards the signal to the step (srun
     passes it to every task) and counts the save only once our manifest is committed."""
-    from resume.checksum import checksum_bytes
-    from resume.manifest import FileEntry, Manifest
-    from resume.run import MEGATRON_LAYOUT
-    from resume.state import TrainState
-
     save_dir = tmp_path / "run"
 
     class MegatronStep(FakeStep):
@@ -392,8 +434,8 @@ def test_exit_signal_mode_signals_the_step_and_waits_for_the_committed_manifest(
                 (save_dir / "iter_0000012").mkdir(parents=True)
                 (save_dir / "iter_0000012" / "__0_0.distcp").write_bytes(b"shard")
                 (save_dir / "latest_checkpointed_iteration.txt").write_text("12")
-                run = Run.open(str(save_dir), layout=MEGATRON_LAYOUT)
-                run.write_manifest(Manifest(step=12, train_state=TrainState(
+                # The hook opened the save directory in Megatron's layout (--exit-signal).
+                sup.rundir.write_manifest(Manifest(step=12, train_state=TrainState(
                     iteration=12, samples_read=96, updates_successful=11, updates_skipped=1),
                     files={"__0_0.distcp": FileEntry(5, checksum_bytes(b"shard"))}))
 
@@ -417,6 +459,7 @@ def test_exit_signal_mode_signals_the_step_and_waits_for_the_committed_manifest(
         signal.signal(signal.SIGTERM, previous[1])
     saved = next(e for e in events(tmp_path) if e["event"] == "saved")
     assert saved["step"] == 12 and "SIGTERM" in saved["reason"]
+    assert (save_dir / "iter_0000012" / "resume-manifest.json").is_file()  # Megatron's layout
     assert step.signals[0] == signal.SIGTERM
     assert not (save_dir / "control").exists() or not os.listdir(save_dir / "control")
     assert ("scontrol", "requeue", "42") in slurm.calls
