@@ -60,6 +60,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from resume.cluster.environment import JobEnvironment
+
 from resume.checksum import digest_parts
 from resume.collective import Collective
 from resume.comm import Comm, LocalComm
@@ -597,7 +599,10 @@ class MegatronRecorder:
             return
 
         def take() -> None:
-            self._lease = Lease.take(self.run.storage, ttl_s=self.lease_ttl_s)
+            # The job's identity from the cluster's environment (Slurm's job id, torchrun's run
+            # id): a requeued copy of this job takes its own lease over at once.
+            self._lease = Lease.take(self.run.storage, ttl_s=self.lease_ttl_s,
+                                     job_id=JobEnvironment.from_env().job_id)
             atexit.register(self._lease.release)  # Megatron has no close(): free the run at exit
         self.collective.on_rank0(take)
         self._lease_taken = True  # on every rank alike: the next call is no collective anywhere
