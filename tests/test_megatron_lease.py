@@ -37,3 +37,16 @@ def test_no_lease_when_asked_for_none(tmp_path):
     save.mkdir()
     MegatronRecorder(str(save), lease_ttl_s=None).before_save(10)
     assert not (save / LEASE_NAME).exists()
+
+
+def test_the_lease_names_the_slurm_job_and_its_requeued_copy_takes_it_over(tmp_path, monkeypatch):
+    """The job's identity comes from the cluster layer (resume.cluster.environment), not the core."""
+    save = tmp_path / "save"
+    save.mkdir()
+    monkeypatch.delenv("RESUME_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    MegatronRecorder(str(save)).before_save(10)
+    first = json.loads((save / LEASE_NAME).read_text())
+    assert first["job_id"] == "4242"
+    MegatronRecorder(str(save)).before_save(10)  # the requeued copy: same job id, not refused
+    assert json.loads((save / LEASE_NAME).read_text())["token"] != first["token"]
