@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,14 +37,14 @@ from resume.errors import (
     RunNotFoundError,
     UnsafeCheckpointError,
 )
-from resume.run import MEGATRON_LAYOUT, MEGATRON_TRACKER
+from resume.run import RESUME_LAYOUT, CheckResult, Run, RunLayout, register_layout
 from resume.state import TrainState
 from resume.storage import Storage, join
 
 from .megatron_schedule import MegatronSchedule
 
-__all__ = ["CommonState", "Opaque", "iteration_dirs", "read_common_state", "read_tracker",
-           "require_save_dir", "require_torch_dist"]
+__all__ = ["MEGATRON_LAYOUT", "MEGATRON_TRACKER", "CommonState", "MegatronLayout", "Opaque", "iteration_dirs",
+           "read_common_state", "read_tracker", "require_save_dir", "require_torch_dist"]
 
 COMMON_KEY = "common_state"
 ARG_FIELDS = (
@@ -56,6 +57,50 @@ ARG_FIELDS = (
     "data_path", "split", "tokenizer_type", "vocab_size", "rampup_batch_size", "ckpt_format",
 )
 """The arguments the orchestrator reads (JSON-able values only)."""
+
+
+# -- the layout: a save directory as a run ------------------------------------------------------
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronLayout(RunLayout):
+    """A Megatron-LM save directory as a run: its ``iter_0000200/`` directories hold
+    Megatron's own files and our manifest beside them (``resume-manifest.json``); Megatron
+    keeps its own pointer (the tracker), so there is no ``LATEST`` of ours.
+
+    Registered at import: importing this module (cheap, no megatron-core) is what lets
+    ``resume verify/ls/inspect`` and the Slurm hook recognise a save directory.
+    """
+
+    def claims(self, storage: Storage) -> bool:
+        """The tracker, or ``iter_NNNNNNN/`` directories and no step directory of ours."""
+        if storage.exists(MEGATRON_TRACKER):
+            return True
+        names = storage.listdir("")
+        return any(self.parse(n) is not None for n in names) and not any(
+            RESUME_LAYOUT.parse(n) is not None for n in names)
+
+    def extra_problems(self, run: Run, result: CheckResult) -> list[str]:
+        """Megatron's own state (format, counters, schedule) must agree with our manifest."""
+        if result.manifest is None:
+            return []
+        return cross_check(run.storage, result.step, result.manifest.train_state, result.manifest.expectation)
+
+    def pointer_problems(self, run: Run, results: list[CheckResult], *, whole_run: bool) -> list[str]:
+        """The tracker must name an iteration that exists; an iteration saved without our
+        manifest must at least be in the format we read (torch_dist)."""
+        problems = tracker_problems(run.storage) if whole_run else []
+        return problems + [p for r in results if not r.has_manifest for p in format_problems(run.storage, r.step)]
+
+    def unrecorded_counters(self, run: Run, step: int) -> TrainState | None:
+        return unrecorded_counters(run.storage, step)
+
+
+MEGATRON_LAYOUT = register_layout(MegatronLayout(
+    "megatron", re.compile(r"^iter_(\d{7,})$"), "iter_{:07d}", "resume-manifest.json", latest=None,
+    pointer=MEGATRON_TRACKER))
 
 
 # -- the tracker and the directories -------------------------------------------------------

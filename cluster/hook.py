@@ -31,10 +31,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: detect_layout knows it
+
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
-from resume.run import MEGATRON_LAYOUT, Run, detect_layout, utc_now
+from resume.run import Run, detect_layout, utc_now
 
 from .crash_loop import CrashLoopPolicy
 from .grace import STOP_MARGIN_S, grace_budget

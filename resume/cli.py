@@ -22,6 +22,9 @@ from typing import Any
 
 import click
 
+# The adapters' run layouts register themselves at import (cheap: no framework is imported),
+# so that every command here detects a framework's own save directory (Megatron-LM's --save).
+from .adapters import megatron_ckpt  # noqa: F401
 from .errors import (
     EXIT_NOTHING,
     EXIT_OK,
@@ -31,7 +34,9 @@ from .errors import (
     UsageError,
 )
 from .lease import read_holder
-from .run import MEGATRON_TRACKER, CheckResult, Run
+from .manifest import Manifest
+from .run import CheckResult, Run
+from .state import TrainState
 
 __all__ = ["cli", "main"]
 
@@ -119,7 +124,7 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
     finally:
         if show:
             click.echo("", err=True)
-    run = Run.open(run_url)  # the layout again: a Megatron save directory may have been empty
+    run = Run.open(run_url)  # the layout again: a framework's save directory may have been empty
     manifest = run.read_manifest(step)
     if as_json:
         _emit_json({"ok": True, "step": step, "train_state": manifest.train_state.to_dict()})
@@ -175,6 +180,90 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
     return []
 
 
+@dataclasses.dataclass
+class _Verdict:
+    """What ``verify`` finds in a run, or in the one step asked for. ``inspect`` takes the
+    same verdict, so both exit with the same code for the same state."""
+
+    results: list[CheckResult]
+    """Every step directory checked, ascending, with verify's own problems added."""
+    restorable: int | None
+    """The newest step that passes the commit check: the one restore would load."""
+    pointer: list[str]
+    """Problems of the layout's pointer (our LATEST, a framework's own) and of the run as a whole."""
+    notes: list[str]
+    problems: list[str]
+    """Everything that makes the exit code 1, in the order it is reported."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and any(r.committed for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """0 sound, 1 problems, 3 no committed checkpoint (DESIGN: exit codes)."""
+        if self.problems:
+            return EXIT_PROBLEM
+        return EXIT_OK if self.ok else EXIT_NOTHING
+
+    def errors(self, run: Run) -> list[str]:
+        """What stderr says: each problem, or that there is no committed checkpoint."""
+        if self.problems or self.ok:
+            return self.problems
+        return [f"{run.url}: expected a committed checkpoint, actual none"]
+
+
+def _verify_run(run: Run, step: int | None, *, deep: bool, show: bool = False) -> _Verdict:
+    """The commit check on every step directory (or on ``step``), verify's own checks on each
+    committed one, then the layout's pointer and, for the whole run, our LATEST."""
+    results, restorable = [], None
+    for s in _steps_to_check(run, step):
+        result = _check_with_progress(run, s, deep=deep, show=show)
+        if result.committed:
+            restorable = s
+            result.problems.extend(_checkpoint_problems(run, result, deep=deep))
+        results.append(result)
+    whole_run = step is None
+    pointer = run.layout.pointer_problems(run, results, whole_run=whole_run)
+    notes: list[str] = []
+    if whole_run and run.layout.latest:
+        latest, notes = _latest_problems(run, results)
+        pointer += latest
+    # A step directory without any manifest is a save that never finished:
+    # listed, not a problem, unless it was asked for by --step.
+    problems = [p for r in results if r.has_manifest or not whole_run for p in r.problems]
+    return _Verdict(results, restorable, pointer, notes, problems + pointer)
+
+
+def _steps_to_check(run: Run, step: int | None) -> list[int]:
+    """Every step directory, or the one asked for; CheckpointNotFoundError (exit 3) if none."""
+    steps = run.step_dirs()
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(step))}: expected a step "
+                                          f"directory, actual missing (steps: {steps})")
+        return [step]
+    if not steps:
+        raise CheckpointNotFoundError(f"{run.url}: expected checkpoints, actual none")
+    return steps
+
+
+def _checkpoint_problems(run: Run, result: CheckResult, *, deep: bool) -> list[str]:
+    """What verify adds to the commit check of a committed checkpoint: the schedule's sanity,
+    DCP's metadata (``deep``), and what the layout's framework says against the manifest."""
+    problems = _semantic_problems(run, result)
+    if deep:
+        problems += _check_dcp_metadata(run, result)
+    return problems + run.layout.extra_problems(run, result)
+
+
+def _report(run: Run, verdict: _Verdict) -> int:
+    """The verdict's errors on stderr, one line each; its exit code."""
+    for message in verdict.errors(run):
+        click.echo(f"resume: error: {message}", err=True)
+    return verdict.exit_code
+
+
 @cli.command()
 @click.argument("run_url", metavar="RUN")
 @click.option("--step", type=click.IntRange(min=0), default=None, help="Verify only this step.")
@@ -192,68 +281,32 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
     there is no run or no checkpoint at all.
     """
     run = Run.open(run_url)
-    steps = run.step_dirs()
-    if step is not None:
-        if step not in steps:
-            raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(step))}: expected a step "
-                                          f"directory, actual missing (steps: {steps})")
-        steps = [step]
-    if not steps:
-        raise CheckpointNotFoundError(f"{run.url}: expected checkpoints, actual none")
-
-    results = []
-    for s in steps:
-        result = _check_with_progress(run, s, deep=deep, show=_is_terminal() and not as_json)
-        if result.committed:
-            result.problems.extend(_semantic_problems(run, result))
-            if deep:
-                result.problems.extend(_check_dcp_metadata(run, result))
-            if run.layout.name == "megatron":
-                result.problems.extend(_megatron_problems(run, result))
-        results.append(result)
-    pointer: list[str] = []  # Megatron's tracker, or our LATEST, must name a loadable checkpoint
-    notes: list[str] = []
-    if run.layout.name == "megatron":
-        from .adapters.megatron_ckpt import format_problems, tracker_problems
-
-        pointer = tracker_problems(run.storage) if step is None else []
-        pointer += [p for r in results if not r.has_manifest for p in format_problems(run.storage, r.step)]
-    elif step is None and run.layout.latest:
-        pointer, notes = _latest_problems(run, results)
-
-    # A step directory without any manifest is a save that never finished:
-    # listed, not a problem, unless it was asked for by --step.
-    problems = [(r.step, p) for r in results if r.has_manifest or step is not None for p in r.problems]
-    problems += [(None, p) for p in pointer]
-    ok = not problems and any(r.committed for r in results)
+    verdict = _verify_run(run, step, deep=deep, show=_is_terminal() and not as_json)
     if as_json:
-        _emit_json({"ok": ok, "deep": deep, "layout": run.layout.name, "pointer_problems": pointer,
-                    "pointer_notes": notes,
+        _emit_json({"ok": verdict.ok, "deep": deep, "layout": run.layout.name,
+                    "pointer_problems": verdict.pointer, "pointer_notes": verdict.notes,
                     "steps": [{"step": r.step, "status": r.status, "committed": r.committed,
-                               "problems": r.problems} for r in results]})
+                               "problems": r.problems} for r in verdict.results]})
     else:
-        for p in pointer:
-            click.echo(f"{run.layout.latest or MEGATRON_TRACKER}  PROBLEM: {p}")
-        for note in notes:
-            click.echo(f"{run.layout.latest}  note: {note}")
-        for r in results:
-            if r.committed:
-                state = r.manifest.train_state  # type: ignore[union-attr]
-                click.echo(f"{run.dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
-                           f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
-            elif not r.has_manifest and step is None:
-                click.echo(f"{run.dirname(r.step)}  uncommitted (ignored): {r.reason}")
-            else:
-                for p in r.problems:
-                    click.echo(f"{run.dirname(r.step)}  PROBLEM: {p}")
-    if problems:
-        for s, p in problems:
-            click.echo(f"resume: error: {p}", err=True)
-        return EXIT_PROBLEM
-    if not ok:
-        click.echo(f"resume: error: {run.url}: expected a committed checkpoint, actual none", err=True)
-        return EXIT_NOTHING if step is None else EXIT_PROBLEM
-    return EXIT_OK
+        _print_verdict(run, verdict, deep=deep, whole_run=step is None)
+    return _report(run, verdict)
+
+
+def _print_verdict(run: Run, verdict: _Verdict, *, deep: bool, whole_run: bool) -> None:
+    for p in verdict.pointer:
+        click.echo(f"{run.layout.pointer}  PROBLEM: {p}")
+    for note in verdict.notes:
+        click.echo(f"{run.layout.pointer}  note: {note}")
+    for r in verdict.results:
+        if r.committed:
+            state = r.manifest.train_state  # type: ignore[union-attr]
+            click.echo(f"{run.dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
+                       f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
+        elif not r.has_manifest and whole_run:
+            click.echo(f"{run.dirname(r.step)}  uncommitted (ignored): {r.reason}")
+        else:
+            for p in r.problems:
+                click.echo(f"{run.dirname(r.step)}  PROBLEM: {p}")
 
 
 def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], list[str]]:
@@ -294,14 +347,6 @@ def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], l
                 "(a hint only; discovery trusts manifests)")
         return [], [note]
     return [], []
-
-
-def _megatron_problems(run: Run, result: CheckResult) -> list[str]:
-    """Megatron's own state (format, counters, schedule) must agree with our manifest."""
-    from .adapters.megatron_ckpt import cross_check
-
-    assert result.manifest is not None
-    return cross_check(run.storage, result.step, result.manifest.train_state, result.manifest.expectation)
 
 
 def _check_with_progress(run: Run, step: int, *, deep: bool, show: bool) -> CheckResult:
@@ -375,16 +420,12 @@ def ls_command(run_url: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _derived_counters(run: Run, results: list[CheckResult]) -> dict:
-    """Megatron checkpoints saved without our manifest: the counters from Megatron's own state."""
-    if run.layout.name != "megatron":
-        return {}
-    from .adapters.megatron_ckpt import unrecorded_counters
-
+def _derived_counters(run: Run, results: list[CheckResult]) -> dict[int, TrainState]:
+    """Step directories without our manifest: the counters the layout's framework kept, if any."""
     out = {}
     for r in results:
         if r.manifest is None and not r.has_manifest:
-            state = unrecorded_counters(run.storage, r.step)
+            state = run.layout.unrecorded_counters(run, r.step)
             if state is not None:
                 out[r.step] = state
     return out
@@ -399,17 +440,32 @@ def _derived_counters(run: Run, results: list[CheckResult]) -> dict:
 def inspect(run_url: str, step: int | None, as_json: bool) -> int:
     """Show one checkpoint's manifest: counters, expectation, files, topology, config, the
     program's own values (``user``) and the settings changed on purpose at restarts
-    (``changes``: step, item, from -> to; accept_changes / RESUME_ACCEPT_CHANGES)."""
+    (``changes``: step, item, from -> to; accept_changes / RESUME_ACCEPT_CHANGES).
+
+    Exits as `verify` (without --deep) does for the same RUN and --step: 0 sound, 1 problems
+    (named on stderr; a manifest that can be read is still shown), 3 nothing there.
+    """
     from .continuity import Expectation
 
     run = Run.open(run_url)
-    manifest = run.manifest_for(step)
+    verdict = _verify_run(run, step, deep=False)
+    shown = step if step is not None else verdict.restorable
+    manifest = next((r.manifest for r in verdict.results if r.step == shown), None)
+    if manifest is None:
+        if as_json:
+            _emit_json({"ok": False, "error": "; ".join(verdict.errors(run)), "exit_code": verdict.exit_code})
+        return _report(run, verdict)
     source = run.storage.url(run.manifest_path(manifest.step))
     expectation = Expectation.from_dict(manifest.expectation, source=source)  # validates
     if as_json:
         _emit_json(json.loads(manifest.to_json()))
-        return EXIT_OK
-    s, e = manifest.train_state, expectation.to_dict()
+    else:
+        _print_manifest(run, manifest, expectation.to_dict())
+    return _report(run, verdict)
+
+
+def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
+    s = manifest.train_state
     click.echo(f"{run.dirname(manifest.step)}  ({run.storage.url(run.dirname(manifest.step))})")
     click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
     click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
@@ -434,7 +490,6 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
     click.echo(f"  files         {len(manifest.files)}, {_human_bytes(manifest.total_bytes)}")
     for rel, entry in sorted(manifest.files.items()):
         click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")
-    return EXIT_OK
 
 
 def _shown(value: Any, limit: int = 100) -> str:

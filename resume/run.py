@@ -9,10 +9,12 @@ Layout of a run (local path or fsspec URL)::
         manifest.json        the commit record, written last
         ...                  the adapter's shards and per-rank state
 
-A Megatron-LM save directory is a run too, in Megatron's layout: its
-``iter_0000200/`` directories hold Megatron's own files and our manifest
-beside them (``resume-manifest.json``); Megatron keeps its own pointer
-(``latest_checkpointed_iteration.txt``), so there is no ``LATEST`` of ours.
+A framework's own save directory can be a run too, in that framework's layout
+(another directory name, our manifest under another name beside its files, its
+own pointer instead of our ``LATEST``). The adapter that knows the framework
+defines the ``RunLayout`` and registers it (``register_layout``); the core
+knows only ours, and ``detect_layout`` asks each registered layout whether a
+directory is its own.
 
 ``check`` is the only definition of "committed": the manifest parses and is
 valid (its counters consistent), every file it lists is present with the right
@@ -42,10 +44,11 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
+from .state import TrainState
 from .storage import Storage, join, open_storage
 
-__all__ = ["MEGATRON_LAYOUT", "RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout",
-           "detect_layout", "parse_step_dirname", "step_dirname"]
+__all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
+           "parse_step_dirname", "register_layout", "step_dirname"]
 
 log = logging.getLogger("resume")
 
@@ -64,12 +67,15 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
-
-
 @dataclass(frozen=True, slots=True)
 class RunLayout:
-    """How checkpoint directories and their manifests are named in a run."""
+    """How checkpoint directories and their manifests are named in a run, and what the
+    framework that owns the layout adds to ``resume verify`` and ``resume ls``.
+
+    Ours is ``RESUME_LAYOUT``. An adapter whose framework keeps its own save directory
+    subclasses this, overrides the hooks and registers it (``register_layout``). The
+    hooks never raise for a bad checkpoint: they list its problems.
+    """
 
     name: str
     pattern: re.Pattern
@@ -77,7 +83,9 @@ class RunLayout:
     dir_format: str
     manifest_name: str
     latest: str | None
-    """Our LATEST hint; None where the framework keeps its own pointer."""
+    """Our LATEST hint, written at each commit; None where the framework keeps its own pointer."""
+    pointer: str
+    """The file naming the newest checkpoint: our LATEST, or the framework's own pointer."""
 
     def dirname(self, step: int) -> str:
         return self.dir_format.format(step)
@@ -86,22 +94,44 @@ class RunLayout:
         m = self.pattern.match(name)
         return int(m.group(1)) if m else None
 
+    def claims(self, storage: Storage) -> bool:
+        """Whether the existing directory ``storage`` is in this layout (``detect_layout``)."""
+        return False
 
-RESUME_LAYOUT = RunLayout("resume", STEP_RE, "step-{:09d}", MANIFEST_NAME, LATEST)
-MEGATRON_LAYOUT = RunLayout("megatron", re.compile(r"^iter_(\d{7,})$"), "iter_{:07d}",
-                            "resume-manifest.json", None)
+    def extra_problems(self, run: Run, result: CheckResult) -> list[str]:
+        """What the framework's own state of a committed checkpoint says against its manifest."""
+        return []
+
+    def pointer_problems(self, run: Run, results: list[CheckResult], *, whole_run: bool) -> list[str]:
+        """The framework's own pointer (``whole_run``: every step directory was checked, not one
+        asked for) and step directories the framework wrote in a form we cannot read."""
+        return []
+
+    def unrecorded_counters(self, run: Run, step: int) -> TrainState | None:
+        """The counters of a step directory without our manifest, from the framework's own
+        state (not verified); None when it has none."""
+        return None
+
+
+RESUME_LAYOUT = RunLayout("resume", STEP_RE, "step-{:09d}", MANIFEST_NAME, latest=LATEST, pointer=LATEST)
+
+_REGISTERED: dict[str, RunLayout] = {}
+
+
+def register_layout(layout: RunLayout) -> RunLayout:
+    """Let ``detect_layout`` recognise another layout's directories (by name: registering
+    again replaces). An adapter registers its layout when its module is imported; the top
+    layers (the CLI, the Slurm hook) import those modules, the core never does."""
+    _REGISTERED[layout.name] = layout
+    return layout
 
 
 def detect_layout(storage: Storage) -> RunLayout:
-    """Megatron's layout when the directory is a Megatron save directory, else ours."""
-    if not storage.isdir(""):
-        return RESUME_LAYOUT
-    if storage.exists(MEGATRON_TRACKER):
-        return MEGATRON_LAYOUT
-    names = storage.listdir("")
-    if any(MEGATRON_LAYOUT.parse(n) is not None for n in names) and not any(
-            RESUME_LAYOUT.parse(n) is not None for n in names):
-        return MEGATRON_LAYOUT
+    """The registered layout that claims the directory, else ours."""
+    if storage.isdir(""):
+        for layout in _REGISTERED.values():
+            if layout.claims(storage):
+                return layout
     return RESUME_LAYOUT
 
 
@@ -160,7 +190,8 @@ class Run:
     def open(cls, url: str, *, create: bool = False, layout: RunLayout | None = None) -> Run:
         """Open a run; ``RunNotFoundError`` (exit 3) if it does not exist and ``create`` is false.
 
-        Without ``layout`` it is detected: a Megatron save directory opens in Megatron's.
+        Without ``layout`` it is detected: a registered layout that claims the directory
+        (a framework's own save directory), else ours.
         """
         storage = open_storage(url)
         run = cls(storage, layout or detect_layout(storage))
@@ -406,10 +437,10 @@ class Run:
             self.storage.write_bytes_atomic(self.layout.latest, f"{step}\n".encode())
 
     def latest_hint(self) -> int | None:
-        """Our LATEST, or Megatron's tracker in a Megatron save directory (a hint either way)."""
-        name = self.layout.latest or MEGATRON_TRACKER
+        """The step the layout's pointer names: our LATEST, or the framework's own (a hint
+        either way)."""
         try:
-            return int(self.storage.read_bytes(name).decode().strip())
+            return int(self.storage.read_bytes(self.layout.pointer).decode().strip())
         except (FileNotFoundError, ValueError):
             return None
 

@@ -236,6 +236,99 @@ def test_usage_error_exits_2():
     assert resume("drill", "--kills", "99").returncode == 2
 
 
+# -- verify and inspect agree -----------------------------------------------------------------
+
+
+def _grow(step: int, rel: str = "__0_0.distcp"):
+    """A listed file one byte longer: the step fails the commit check (broken)."""
+    def damage(run: str) -> None:
+        with open(os.path.join(run, f"step-{step:09d}", rel), "ab") as f:
+            f.write(b"x")
+    return damage
+
+
+def _drop_manifests(*steps: int):
+    """Saves that never finished: no manifest (uncommitted), every step if none named. LATEST,
+    written after a manifest, names the newest step left committed, or is not there."""
+    def damage(run: str) -> None:
+        left = []
+        for name in sorted(os.listdir(run)):
+            if name.startswith("step-") and (not steps or int(name[5:]) in steps):
+                os.unlink(os.path.join(run, name, "manifest.json"))
+            elif name.startswith("step-"):
+                left.append(int(name[5:]))
+        os.unlink(os.path.join(run, "LATEST"))
+        if left:
+            _write_latest(run, max(left))
+    return damage
+
+
+def _one_lr_ahead(run: str) -> None:
+    """Committed, but verify's schedule check fails: one LR ahead recorded instead of >= 2."""
+    def cut(text: str) -> str:
+        body = json.loads(text)
+        body["expectation"]["lr_ahead"] = body["expectation"]["lr_ahead"][:1]
+        return json.dumps(body)
+    _rewrite_manifest(run, 40, cut)
+
+
+def _write_latest(run: str, step: int) -> None:
+    with open(os.path.join(run, "LATEST"), "w") as f:
+        f.write(f"{step}\n")
+
+
+def _empty(run: str) -> None:
+    shutil.rmtree(run)
+    os.makedirs(run)
+
+
+def _megatron_save_without_manifests(run: str) -> None:
+    """A Megatron-LM save directory (tracker, one torch_dist iteration) that resume never recorded."""
+    _empty(run)
+    os.makedirs(os.path.join(run, "iter_0000004"))
+    for rel, text in (("latest_checkpointed_iteration.txt", "4"), ("iter_0000004/.metadata", "m"),
+                      ("iter_0000004/__0_0.distcp", "d"),
+                      ("iter_0000004/metadata.json", '{"sharded_backend": "torch_dist"}')):
+        with open(os.path.join(run, rel), "w") as f:
+            f.write(text)
+
+
+EXIT_CODE_STATES = {
+    # state: (damage to the drill's run (steps 30, 35, 40, all committed), arguments, the exit code)
+    "sound": (lambda run: None, (), 0),
+    "newest_broken": (_grow(40), (), 1),
+    "older_broken": (_grow(30), (), 1),
+    "every_step_broken": (lambda run: [_grow(s)(run) for s in (30, 35, 40)], (), 1),
+    "newest_uncommitted": (_drop_manifests(40), (), 0),
+    "no_committed_checkpoint": (_drop_manifests(), (), 3),
+    "newest_schedule_short": (_one_lr_ahead, (), 1),
+    "latest_names_a_missing_step": (lambda run: _write_latest(run, 99), (), 1),
+    "empty_run": (_empty, (), 3),
+    "megatron_save_without_manifests": (_megatron_save_without_manifests, (), 3),
+    "step_missing": (lambda run: None, ("--step", "7"), 3),
+    "step_sound_newer_broken": (_grow(40), ("--step", "30"), 0),
+    "step_broken": (_grow(30), ("--step", "30"), 1),
+    "step_uncommitted": (_drop_manifests(30), ("--step", "30"), 1),
+}
+
+
+@pytest.mark.parametrize("state", EXIT_CODE_STATES)
+def test_inspect_exits_with_the_code_verify_gives_for_the_same_state(run_copy, state):
+    from click.testing import CliRunner
+
+    from resume.cli import cli
+
+    damage, args, expected = EXIT_CODE_STATES[state]
+    damage(run_copy)
+    codes, errors = {}, {}
+    for command in (["verify"], ["inspect"], ["verify", "--json"], ["inspect", "--json"]):
+        result = CliRunner().invoke(cli, [*command, run_copy, *args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        codes[" ".join(command)], errors[" ".join(command)] = result.exit_code, result.stderr
+    assert codes == dict.fromkeys(codes, expected), codes
+    assert errors["inspect"] == errors["verify"] and bool(errors["verify"]) == (expected != 0), errors
+
+
 # -- resume save against a running job -------------------------------------------------------
 
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import pytest
 from click.testing import CliRunner
+from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
 from workloads import Setup, build, train
 
 from resume import NoValidCheckpointError, Run
 from resume.checksum import checksum_bytes
 from resume.cli import cli
 from resume.manifest import FileEntry, Manifest
-from resume.run import MEGATRON_LAYOUT
 from resume.state import TrainState
 from resume.storage import LocalStorage
 

@@ -132,9 +132,10 @@ def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict
 
     import megatron_training_run as m
     from resume.adapters.megatron import install
+    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
 
     from resume.control import post_save_request
-    from resume.run import MEGATRON_LAYOUT, Run
+    from resume.run import Run
 
     args, model, optimizer, scheduler = m.fresh(save_dir, ("--exit-signal-handler",))
     from megatron.training import training  # after fresh(): needs the typing.override alias
