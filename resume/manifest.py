@@ -83,45 +83,15 @@ class Manifest:
     @classmethod
     def from_json(cls, text: bytes | str, *, source: str) -> Manifest:
         """Parse and validate; ManifestError names the file and the field."""
-        try:
-            body = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
-        if not isinstance(body, dict):
-            raise ManifestError(f"{source}: expected a JSON object, actual {type(body).__name__}")
-        if body.get("schema") != SCHEMA:
-            raise ManifestError(f"{source}: schema: expected {SCHEMA!r}, actual {body.get('schema')!r}")
-        version = body.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ManifestError(f"{source}: schema_version: expected {SCHEMA_VERSION}, actual {version!r}")
+        body = _parse_body(text, source=source)
         step = body.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ManifestError(f"{source}: step: expected a non-negative integer, actual {step!r}")
-        files_raw = body.get("files")
-        if not isinstance(files_raw, dict) or not files_raw:
-            raise ManifestError(f"{source}: files: expected a non-empty object, actual {files_raw!r:.80}")
-        files = {}
-        for path, entry in files_raw.items():
-            check_relative_path(path, source=source)
-            if not isinstance(entry, dict):
-                raise ManifestError(f"{source}: files[{path!r}]: expected an object, actual {entry!r}")
-            size, checksum = entry.get("size"), entry.get("checksum")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ManifestError(f"{source}: files[{path!r}].size: expected a non-negative "
-                                    f"integer, actual {size!r}")
-            if not isinstance(checksum, str) or not checksum.startswith("xxh3:"):
-                raise ManifestError(f"{source}: files[{path!r}].checksum: expected 'xxh3:<hex>', "
-                                    f"actual {checksum!r}")
-            files[path] = FileEntry(size, checksum)
+        files = _parse_files(body.get("files"), source=source)
         for name in ("expectation", "topology", "config", "timing", "user"):
             if not isinstance(body.get(name, {}), dict):
                 raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
-        changes = body.get("changes", [])
-        if not (isinstance(changes, list) and all(
-                isinstance(c, dict) and isinstance(c.get("item"), str) and isinstance(c.get("step"), int)
-                and "from" in c and "to" in c for c in changes)):
-            raise ManifestError(f"{source}: changes: expected a list of {{step, item, from, to}}, "
-                                f"actual {changes!r:.80}")
+        changes = _parse_changes(body.get("changes", []), source=source)
         return cls(
             step=step,
             train_state=TrainState.from_dict(body.get("train_state"), source=source),
@@ -132,10 +102,56 @@ class Manifest:
             timing=body.get("timing", {}),
             adapter=str(body.get("adapter", "")),
             created_at=str(body.get("created_at", "")),
-            schema_version=version,
+            schema_version=body["schema_version"],
             user=body.get("user", {}),
             changes=changes,
         )
+
+
+def _parse_body(text: bytes | str, *, source: str) -> dict[str, Any]:
+    """A JSON object of our schema and version (no NaN or Infinity)."""
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
+    if not isinstance(body, dict):
+        raise ManifestError(f"{source}: expected a JSON object, actual {type(body).__name__}")
+    if body.get("schema") != SCHEMA:
+        raise ManifestError(f"{source}: schema: expected {SCHEMA!r}, actual {body.get('schema')!r}")
+    version = body.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(f"{source}: schema_version: expected {SCHEMA_VERSION}, actual {version!r}")
+    return body
+
+
+def _parse_files(files_raw: Any, *, source: str) -> dict[str, FileEntry]:
+    """Each listed file: a path inside the step directory, its size and its xxh3 checksum."""
+    if not isinstance(files_raw, dict) or not files_raw:
+        raise ManifestError(f"{source}: files: expected a non-empty object, actual {files_raw!r:.80}")
+    files = {}
+    for path, entry in files_raw.items():
+        check_relative_path(path, source=source)
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{source}: files[{path!r}]: expected an object, actual {entry!r}")
+        size, checksum = entry.get("size"), entry.get("checksum")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ManifestError(f"{source}: files[{path!r}].size: expected a non-negative "
+                                f"integer, actual {size!r}")
+        if not isinstance(checksum, str) or not checksum.startswith("xxh3:"):
+            raise ManifestError(f"{source}: files[{path!r}].checksum: expected 'xxh3:<hex>', "
+                                f"actual {checksum!r}")
+        files[path] = FileEntry(size, checksum)
+    return files
+
+
+def _parse_changes(changes: Any, *, source: str) -> list[dict[str, Any]]:
+    """The settings changed on purpose: a list of ``{step, item, from, to}``."""
+    if not (isinstance(changes, list) and all(
+            isinstance(c, dict) and isinstance(c.get("item"), str) and isinstance(c.get("step"), int)
+            and "from" in c and "to" in c for c in changes)):
+        raise ManifestError(f"{source}: changes: expected a list of {{step, item, from, to}}, "
+                            f"actual {changes!r:.80}")
+    return changes
 
 
 def _reject_constant(name: str) -> float:
