@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 from resume.adapters.torch_native import allreduce_each_gradient
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.multiprocess
 

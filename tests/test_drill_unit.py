@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from resume.drill.runner import DrillConfig, compare_runs, plan_kills
 
 from resume import UsageError
-from resume.drill.runner import DrillConfig, compare_runs, plan_kills
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -22,13 +22,13 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.torch_native import NativeTorchAdapter, allreduce_each_gradient
+from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import Coordinator
-from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter, allreduce_each_gradient
 from resume.checksum import digest_parts
-from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 
 GLOBAL_BATCH = 8
 PEAK_LR = 3e-3
