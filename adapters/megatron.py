@@ -149,7 +149,6 @@ def lr_ahead_megatron(scheduler: Any, increment: int, k: int, groups: list[dict]
     return out
 
 
-
 def verify_share(run: Run, collective: Collective, manifest: Manifest) -> list[str]:
     """Collective: every rank checksums its share of the checkpoint's files; every problem found,
     on every rank. Storage that refuses a read raises on every rank instead: it says nothing

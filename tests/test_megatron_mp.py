@@ -136,3 +136,48 @@ def test_changed_global_batch_is_named(tp2_save):
     out = run_ranks(_load_tp1, 1, save_dir, {"global_batch_size": 32}, "plain")[0]
     assert out["error"]["item"] == "config.global_batch", out
     assert (out["error"]["expected"], out["error"]["actual"]) == ("16", "32")
+
+
+# -- the choice before Megatron loads (one process, the recorder alone) ---------------------------------
+
+
+def _before_load(save_dir: str, **overrides) -> int | None:
+    import megatron_workload as w
+    from resume.adapters.megatron import MegatronRecorder
+
+    return MegatronRecorder(save_dir, lease_ttl_s=None).before_load(w.make_args(**overrides))
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_ckpt_step_loads_the_checkpoint_it_names_and_a_missing_one_is_refused(tp2_save):
+    from resume.errors import CheckpointNotFoundError
+
+    save_dir, _ = tp2_save
+    assert _before_load(save_dir, ckpt_step=SAVED_AT) == SAVED_AT
+    with pytest.raises(CheckpointNotFoundError, match=r"iter_0000005: expected the checkpoint --ckpt-step "
+                       r"names, actual missing"):
+        _before_load(save_dir, ckpt_step=5)
+
+
+def test_a_recorded_checkpoint_whose_files_fail_is_no_fresh_start(tp2_save, tmp_path):
+    """Every checkpoint with a manifest failed: refused, naming it and why, never a silent restart
+    from scratch (and a pinned one is not exchanged for another)."""
+    import shutil
+
+    from resume.errors import NoValidCheckpointError
+
+    save_dir, _ = tp2_save
+    copy = str(tmp_path / "save")
+    shutil.copytree(save_dir, copy)
+    _flip_a_byte(os.path.join(copy, f"iter_{SAVED_AT:07d}", "__1_0.distcp"))
+    for pinned in (None, SAVED_AT):
+        with pytest.raises(NoValidCheckpointError, match=r"expected a checkpoint whose files verify, actual "
+                           r"none \(iter_0000007: .*__1_0.distcp: checksum: expected"):
+            _before_load(copy, ckpt_step=pinned)
