@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from resume.adapter import Adapter
+from resume.collective import Collective
 from resume.comm import Comm, LocalComm
 from resume.errors import (
     CorruptCheckpointError,
@@ -675,17 +676,14 @@ class NativeTorchAdapter(Adapter):
     def _read_on_rank0(self, storage: Storage, path: str) -> bytes:
         """A small file every rank needs, read once (rank 0) and broadcast: thousands of ranks
         never open the same file of a parallel file system or an object store."""
-        outcome: tuple = ()
-        if self.comm.rank == 0:
+        def read() -> bytes:
             try:
-                outcome = ("ok", storage.read_bytes(path))
-            except OSError as e:
-                outcome = ("error", type(e).__name__, str(e))
-        outcome = self.comm.broadcast_object(outcome, src=0)
-        if outcome[0] != "ok":
-            kind = StorageError if outcome[1] != "FileNotFoundError" else CorruptCheckpointError
-            raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual {outcome[1]}: {outcome[2]}")
-        return outcome[1]
+                return storage.read_bytes(path)
+            except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
+                kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
+                raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
+                           f"{type(e).__name__}: {e}") from e
+        return Collective(self.comm).on_rank0(read)
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""

@@ -747,13 +747,15 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
 
 
 def _measured_grace(run_url: str) -> int:
-    """Twice the slowest recent save plus a minute to reach a boundary; 300 s if none measured."""
+    """The USR1 lead time: resume.cluster.grace's one formula over the run's recent saves
+    (2 x slowest of the newest 5 committed saves + 60 s; 300 s before any was measured)."""
+    from .cluster.grace import UNMEASURED_S, grace_budget
+
     try:
         run = Run.open(run_url)
-        saves = [run.read_manifest(s).timing.get("save_s", 0) for s in run.committed_steps()[-5:]]
     except (ResumeError, OSError):
-        saves = []
-    return max(60, int(max(saves) * 2 + 60)) if saves else 300
+        return int(UNMEASURED_S)  # no run yet: nothing measured
+    return math.ceil(grace_budget(run))
 
 
 # -- drill -------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class Collective:
         local: BaseException | None = None
         try:
             report: tuple = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
+        except Exception as e:
             log.exception("resume: rank %d failed", self.rank)
             local, report = e, ("error", Failure.of(e, self.rank))
         reports = self.comm.all_gather_object(report)

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import faults
-from .checksum import checksum_file
+from .checksum import checksum_bytes, checksum_file
+from .collective import Collective
 from .errors import LeaseLostError, StorageError
 from .lease import Lease
 from .manifest import FileEntry, Manifest
@@ -101,6 +102,7 @@ class StepCommit:
         if rank_file is not None:
             name, body = rank_file
             self.run.storage.write_bytes_atomic(join(self.dirname, name), body)
+            records[name] = (len(body), checksum_bytes(body))
         faults.point("save.before_shards")
         written = write_shards()
         faults.point("save.after_shards")
@@ -133,6 +135,15 @@ class StepCommit:
         if keep is not None:
             self._retain(keep)
         return manifest
+
+    def write_and_finalize(self, coll: Collective, local: Callable[[], dict],
+                           manifest_of: Callable[[list[dict]], Manifest], *, keep: KeepPolicy | None = None) -> None:
+        """Phases 2 and 3, collective: ``local`` writes this rank's files and returns
+        ``{"files": records, ...}`` (a failure on any rank fails the save on every rank, nothing
+        committed); then rank 0 commits the manifest ``manifest_of(every rank's report)``."""
+        reports = coll.each(local, self.url, saving=True)
+        faults.point("save.after_gather")
+        coll.on_rank0(lambda: self.finalize([r["files"] for r in reports], manifest_of(reports), keep=keep).step)
 
     def _retain(self, keep: KeepPolicy) -> None:
         try:

@@ -44,6 +44,17 @@ class Expectation:
         return asdict(self)
 
     @classmethod
+    def assemble(cls, parts: list[dict], *, world_size: int) -> Expectation:
+        """From every rank's ``part`` (Adapter-side, ``expectation_part``): LR, schedule and step
+        counts are the same on every rank (rank 0's stand); batches, moments and RNG are per rank."""
+        first = parts[0]
+        return cls(next_batch=merge_batch_descriptions([p["batch"] for p in parts]),
+                   lr_ahead=first["lr_ahead"], lr_groups=first["lr_groups"], structure=first["structure"],
+                   schedule=first["schedule"], optimizer_steps=first["optimizer_steps"],
+                   optimizer=[p["optimizer"] for p in parts], rng=[p["rng"] for p in parts],
+                   world_size=world_size)
+
+    @classmethod
     def from_dict(cls, data: Any, *, source: str) -> Expectation:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expectation: expected an object, actual {type(data).__name__}")

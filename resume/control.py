@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import SaveFailedError, SaveTimeoutError
 from .run import CONTROL, Run, utc_now
 from .storage import join
 
-__all__ = ["ControlArea", "SaveRequest", "answer_request", "pending_requests", "post_save_request",
+__all__ = ["ControlArea", "SaveRequest", "SignalFlag", "answer_request", "pending_requests", "post_save_request",
            "wait_for_answer"]
 
 log = logging.getLogger("resume")
@@ -102,6 +105,29 @@ class ControlArea:
                 answer_request(self.run, request, step=step, error=error)
             except Exception as e:  # noqa: BLE001 - the save is done; the asker will time out
                 log.warning("resume: cannot answer save request %s: %s", request.request_id, e)
+
+
+class SignalFlag:
+    """SIGUSR1 (time limit ahead) and SIGTERM (preemption) only set a flag: the save and the
+    stop happen at the next iteration boundary, agreed on by every rank."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signum = signum
 
 
 def withdraw_request(run: Run, request: SaveRequest) -> None:

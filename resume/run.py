@@ -40,7 +40,6 @@ from .errors import (
     NoValidCheckpointError,
     RunNotFoundError,
     StorageError,
-    UsageError,
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy

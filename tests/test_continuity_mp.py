@@ -195,7 +195,7 @@ def bad_rank_state_on_rank_1(rank: int, world: int, tmp: str) -> str:
             f.write(text.replace("{", "[", 1))
     dist.barrier()
     coord, _ = build(rank, world, run, Setup(every=3))
-    coord.verify_on_restore = False  # so that only the content can fail, on rank 1 alone
+    coord.settings.verify_on_restore = False  # so that only the content can fail, on rank 1 alone
     return restore_outcome(coord)
 
 

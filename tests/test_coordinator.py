@@ -53,7 +53,7 @@ def test_no_valid_checkpoint_refuses_a_silent_fresh_start(run_dir):
     coord, _ = build(0, 1, run_dir, Setup(every=3))
     with pytest.raises(NoValidCheckpointError, match="none valid.*allow_fresh_start"):
         coord.restore()
-    coord.allow_fresh_start = True
+    coord.settings.allow_fresh_start = True
     state = coord.restore()
     assert state.iteration == 0 and coord.restored_from is None
 
@@ -137,7 +137,7 @@ def test_request_save_commits_at_the_next_boundary(run_dir):
 
 def test_retention_keeps_the_newest_and_every_mth(run_dir):
     coord, parts = build(0, 1, run_dir, Setup(every=1))
-    coord.keep = type(coord.keep)(keep_last=2, keep_every=4)
+    coord.retention = type(coord.retention)(keep_last=2, keep_every=4)
     coord.restore()
     train(coord, parts, until=9)
     assert Run.open(run_dir).committed_steps() == [4, 8, 9]

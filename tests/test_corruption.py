@@ -141,7 +141,7 @@ def assert_one_line_problem(run: str, args: tuple[str, ...], *needles: str) -> N
 
 def restore(run: str, *, allow_fresh_start: bool = False):
     coord, _ = build(0, 1, run, Setup(every=2))
-    coord.allow_fresh_start = allow_fresh_start
+    coord.settings.allow_fresh_start = allow_fresh_start
     try:
         coord.restore()
     finally:

@@ -1,0 +1,306 @@
+"""Restore and continuity: choose the checkpoint, verify it, load it, prove the run continues.
+
+    restorer = Restorer(run, adapter, collective, settings=..., rng=..., accept=...)
+    manifest = restorer.choose(prepare=True)  # collective: newest committed checkpoint whose files
+                                              # verify (rank 0 discovers, every rank checksums its
+                                              # share); damaged ones moved aside; None: fresh start
+    restored = restorer.load(manifest, expectation_now)   # settings first, then shards, rank
+                                              # state, RNG; then every recorded item recomputed
+                                              # and compared (ContinuityError before any update)
+
+After the first update, ``check_first_update`` confirms the LR actually applied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .adapter import Adapter
+from .changes import AcceptChanges, Change, check_structure, refuse, schedule_changes, setting_changes
+from .collective import Collective
+from .commit import rank_state_name
+from .config import CoordinatorConfig
+from .continuity import Expectation, compare, compare_config
+from .errors import ContinuityError, ManifestError, NoValidCheckpointError
+from .manifest import Manifest
+from .rng import RngRegistry
+from .run import CheckResult, Run
+from .state import TrainState
+from .storage import join
+
+__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs"]
+
+log = logging.getLogger("resume")
+
+
+@dataclass
+class Restored:
+    manifest: Manifest
+    state: TrainState
+    expected: Expectation
+    """What the first update must show (the LR it applies)."""
+    changes: list[dict]
+
+
+class Restorer:
+    """One restart's discovery, verification and load, collective over every rank."""
+
+    def __init__(self, run: Run, adapter: Adapter, collective: Collective, *, settings: CoordinatorConfig,
+                 rng: RngRegistry, accept: AcceptChanges) -> None:
+        self.run = run
+        self.adapter = adapter
+        self.coll = collective
+        self.settings = settings
+        self.rng = rng
+        self.accept = accept
+        self.prepared: tuple[Any] | None = None  # what adapter.prepare_load() returned
+
+    # -- choosing -------------------------------------------------------------------------------
+
+    def choose(self, *, prepare: bool = False) -> Manifest | None:
+        """The newest committed checkpoint whose files all verify; None for a fresh start.
+
+        Rank 0 discovers (``Run.find_latest``: the commit check, newest first, stopping at the
+        first committed one) and sends every rank the manifest; then, with ``verify_on_restore``,
+        every rank reads its share of its files and compares checksums, so a corrupt newest
+        checkpoint is passed over for the previous one. With ``prepare`` the reads overlap the
+        adapter's ``prepare_load()``.
+        """
+        broken: list[tuple[int, str]] = []  # a manifest exists, but the checkpoint is damaged
+        torn: list[tuple[int, str]] = []    # no manifest: a save that never finished
+        chosen, below = None, None
+        while chosen is None:
+            manifest, rejected = self.coll.on_rank0(lambda b=below: self.run.find_latest(below=b))
+            _sort_rejected(rejected, broken, torn)
+            if manifest is None:
+                break
+            problems = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
+            if problems:
+                broken.append((manifest.step, "; ".join(problems)))
+                below = manifest.step
+            else:
+                chosen = manifest
+        self._after_choice(chosen, broken, torn)
+        return chosen
+
+    def _after_choice(self, chosen: Manifest | None, broken: list, torn: list) -> None:
+        if self.coll.rank == 0:
+            for step, why in torn + broken:
+                log.warning("resume: passing over %s: %s", self.run.dirname(step), why)
+        if chosen is None and broken and not self.settings.allow_fresh_start:
+            raise NoValidCheckpointError(
+                f"{self.run.url}: expected a committed checkpoint among {len(broken) + len(torn)} step "
+                f"directories, actual none valid ("
+                f"{'; '.join(f'{self.run.dirname(s)}: {w}' for s, w in broken[:3])}); refusing to "
+                "start from scratch (allow_fresh_start=True to override)")
+        if broken:
+            # Out of the way of retention and of the next save of the same
+            # step, kept for the operator: nothing a user saved is deleted.
+            self.coll.on_rank0(lambda: self._quarantine(broken, chosen))
+
+    def _quarantine(self, broken: list[tuple[int, str]], chosen: Manifest | None) -> None:
+        for step, why in broken:
+            try:
+                self.run.quarantine_step(step, why)
+            except OSError as e:  # left in place: discovery passes over it again next time
+                log.error("resume: cannot move broken %s aside: %s", self.run.dirname(step), e)
+        if chosen is not None:
+            try:  # the hint follows: it must not name a checkpoint that was moved aside
+                self.run.point_latest(chosen.step)
+            except OSError as e:
+                log.warning("resume: cannot point LATEST at %s: %s", self.run.dirname(chosen.step), e)
+
+    def verify_share(self, manifest: Manifest, *, prepare: bool = False) -> list[str]:
+        """Collective: every rank checksums its share of the files; all problems, on every rank.
+
+        With ``prepare`` the reads run beside the adapter's ``prepare_load()`` (a fresh
+        optimizer's state made ready to be loaded into): the file I/O and that compute
+        overlap instead of adding up.
+        """
+        share = sorted(manifest.files)[self.coll.rank::self.coll.world_size]
+
+        def verify() -> list[str]:
+            return self.run.verify_checksums(manifest, share, raise_unreadable=True)
+        if not prepare or self.prepared is not None:
+            return [p for problems in self.coll.each(verify, "checksum verification") for p in problems]
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resume-verify") as pool:
+            pending = pool.submit(verify)
+
+            def prepare_and_verify() -> list[str]:
+                try:
+                    self.prepared = (self.adapter.prepare_load(),)
+                finally:  # the reads' error first, else the preparation's; agreed on below
+                    problems = pending.result()
+                return problems
+            gathered = self.coll.each(prepare_and_verify, "checksum verification")
+        return [p for problems in gathered for p in problems]
+
+    def discard_prepared(self) -> None:
+        """Nothing will be loaded: put back what ``prepare_load()`` made (a fresh start stays fresh)."""
+        if self.prepared is not None:
+            token, self.prepared = self.prepared[0], None
+            self.adapter.discard_prepared(token)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self, manifest: Manifest, expectation_now: Callable[[list[dict]], Expectation]) -> Restored:
+        """Settings, shards, rank state; then the continuity check (``expectation_now(schedule)``
+        recomputes the expectation from the live objects)."""
+        step_dir = self.run.dirname(manifest.step)
+        source = self.run.storage.url(join(step_dir, "manifest.json"))
+        expected = Expectation.from_dict(manifest.expectation, source=source)
+        # Config first: a changed global batch or seed is named before anything is loaded.
+        compare_config(manifest.config, self.settings.recorded_config())
+        declared_schedule = self.adapter.describe_schedule()
+        # Then the optimizers' structure and every setting, still before anything is loaded.
+        accepted = self._check_settings(expected, declared_schedule)
+        self._load_objects(manifest, accepted)
+        state = TrainState.from_dict(manifest.train_state.to_dict(), source=source)
+        state.check_invariants(global_batch=self.settings.global_batch, where=source)
+        check_counters(self.adapter, state, applied=True, where=f"restore of {step_dir}")
+        actual = expectation_now(declared_schedule)
+        if accepted and expected.lr_ahead != actual.lr_ahead and any(_moves_lr(c.item) for c in accepted):
+            # The accepted change moves the LR: what is ahead now is the new schedule's (recorded
+            # with the change), and the first update is checked against it.
+            if self.coll.rank == 0:
+                log.warning("resume: LR ahead after the accepted changes: %s (the checkpoint had %s)",
+                            actual.lr_ahead, expected.lr_ahead)
+            expected.lr_ahead, expected.lr_groups = actual.lr_ahead, actual.lr_groups
+        saved_world = int(manifest.topology.get("world_size", 1))
+        compare(expected, actual, resized=saved_world != self.coll.world_size)
+        return Restored(manifest, state, expected,
+                        list(manifest.changes) + [c.record(manifest.step) for c in accepted])
+
+    def _load_objects(self, manifest: Manifest, accepted: list[Change]) -> None:
+        """Rank state read and agreed on first (a bad file on one rank fails every rank instead
+        of leaving the others in a collective), then the shards, then the local state."""
+        step_dir = self.run.dirname(manifest.step)
+        code_settings = self.adapter.snapshot_settings() if accepted else None
+        saved_world = int(manifest.topology.get("world_size", 1))
+        rank_state = self.coll.each(lambda: self._read_rank_state(manifest, saved_world),
+                                    f"restore of {step_dir}")[self.coll.rank]
+        self.adapter.load_shards(self.run.storage, step_dir)
+
+        def load_local() -> None:
+            # Data before RNG: a restored loader must not draw from the restored generators.
+            self.adapter.load_state_dict(rank_state["adapter"])
+            self.adapter.load_data_state(rank_state["data"])
+            self.rng.restore(rank_state["rng"])
+            if accepted:
+                self.adapter.apply_changes([c.item for c in accepted], code_settings)
+        # A refusal on one rank (a loader state it cannot take) is raised on every rank.
+        self.coll.each(load_local, f"restore of {step_dir}")
+        self.prepared = None
+
+    def _check_settings(self, expected: Expectation, declared_schedule: list[dict]) -> list[Change]:
+        """Structure and settings of the code against the checkpoint: a structure mismatch or a
+        changed setting that was not accepted raises ContinuityError; the accepted changes."""
+        changes = schedule_changes(expected.schedule, declared_schedule)
+        if expected.structure:  # not recorded by an older resume
+            live = self.adapter.describe_structure()
+            check_structure(expected.structure, live)
+            changes = setting_changes(expected.structure, live) + changes
+        for change in changes:
+            if not self.accept.accepts(change.item):
+                raise refuse(change)
+        if changes and self.coll.rank == 0:
+            for change in changes:
+                log.warning("resume: accepted change %s: %r -> %r (recorded in the next manifest)",
+                            change.item, change.saved, change.live)
+        # Accepted: the schedule compared below is the code's.
+        expected.schedule = declared_schedule
+        return changes
+
+    def _read_rank_state(self, manifest: Manifest, saved_world: int) -> dict:
+        step_dir = self.run.dirname(manifest.step)
+        own = rank_state_name(self.coll.rank if self.coll.rank < saved_world else 0)
+        if own not in manifest.files:
+            raise ManifestError(f"{self.run.storage.url(join(step_dir, 'manifest.json'))}: "
+                                f"files: expected an entry for {own}, actual missing")
+        url = self.run.storage.url(join(step_dir, own))
+        try:
+            rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
+        except ValueError as e:
+            raise ManifestError(f"{url}: expected JSON, actual {e}") from e
+        missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
+        if missing:
+            raise ManifestError(f"{url}: expected fields rng, data, adapter, actual missing {sorted(missing)}")
+        return rank_state
+
+
+def _sort_rejected(rejected: list[CheckResult], broken: list, torn: list) -> None:
+    for result in rejected:
+        (broken if result.has_manifest else torn).append((result.step, result.reason))
+
+
+def _moves_lr(item: str) -> bool:
+    """Whether an accepted change can move the LR ahead (the peak, any schedule setting)."""
+    return item.startswith("schedule") or item.rsplit(".", 1)[-1] in ("initial_lr", "lr", "base_lrs")
+
+
+# -- the continuity of the loop after a restart ------------------------------------------------------
+
+
+def check_counters(adapter: Adapter, state: TrainState, *, applied: bool, where: str) -> None:
+    """Every optimizer's step count and scheduler's position equal ``updates_successful``."""
+    successful = state.updates_successful
+    for kind, values in (("optimizer", adapter.optimizer_steps()), ("scheduler", adapter.scheduler_positions())):
+        for i, value in enumerate(values):
+            if value == successful:
+                continue
+            if where != "update":
+                hint = f"{where}: the saved counters and the {kind} disagree"
+            elif not applied and value > successful:
+                hint = f"the {kind} stepped on an update reported as skipped"
+            elif applied and value < successful:
+                hint = f"update(applied=True) was reported but the {kind} did not step"
+            else:
+                hint = f"the {kind} stepped more than once per update"
+            raise ContinuityError(f"{kind}[{i}].{'steps' if kind == 'optimizer' else 'position'}",
+                                  f"{successful} (updates_successful)", value, hint)
+
+
+def check_first_update(adapter: Adapter, expected: Expectation, *, rank: int) -> None:
+    """After the first applied update: the LR it applied is the one recorded, and (torch
+    schedulers) the groups now hold the LR recorded for the update after it."""
+    applied = adapter.applied_lrs()
+    if applied is not None:
+        check_lrs(adapter, expected, 0, applied, "lr applied at the first update", rank=rank)
+    if not adapter.lr_set_by_loop and len(expected.lr_ahead) > 1:
+        check_lrs(adapter, expected, 1, adapter.current_lrs(), "lr after the first update", rank=rank)
+
+
+def check_lrs(adapter: Adapter, expected: Expectation, ahead: int, actual: list[float | None], item: str, *,
+              rank: int) -> None:
+    """The recorded groups' LRs (row ``ahead`` of the LR ahead) against ``actual``. A group
+    added since (a stage change in this iteration) is named in the log, not refused."""
+    recorded = expected.lr_ahead[ahead]
+    live_labels = adapter.lr_groups()
+    labels = expected.lr_groups or live_labels[:len(recorded)]
+    if not expected.lr_groups and len(live_labels) != len(recorded):
+        raise ContinuityError(item, recorded, actual, "another number of param groups than recorded")
+    position = {label: i for i, label in enumerate(live_labels)}
+    wanted, got = [], []
+    for label, lr in zip(labels, recorded):
+        i = position.get(label)
+        if i is None:
+            raise ContinuityError(f"{item}: {label}", lr, "no such param group",
+                                  "a param group recorded at the save is gone")
+        if actual[i] is not None:  # None: its optimizer did not step in this update
+            wanted.append(lr)
+            got.append(actual[i])
+    if wanted != got:
+        hint = "the LR applied is not the one recorded"
+        if not adapter.lr_set_by_loop and not adapter.describe_schedule():
+            hint += ("; an LR set by hand in the loop? declare its schedule: NativeTorchAdapter(..., "
+                     "schedulers=lr_at) with lr_at(updates) -> LRs (resume.schedule)")
+        raise ContinuityError(item, wanted, got, hint)
+    added = [f"{label} (lr {actual[i]})" for label, i in position.items()
+             if label not in set(labels) and actual[i] is not None]
+    if added and rank == 0:
+        log.info("resume: %s: param groups added since the checkpoint, not checked: %s", item, ", ".join(added))
