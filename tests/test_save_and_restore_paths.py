@@ -1,0 +1,97 @@
+"""The path of a save and of a restore through the code: how many modules a save crosses from
+update() to the manifest, and what a restore reads and parses (once each)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from resume.adapters import dcp_safe, torch_native
+from workloads import Setup, build, train
+
+import resume.manifest
+from resume import Run
+from resume.run import Run as RunClass
+
+MAX_MODULES = 8
+
+
+def _resume_modules_on_stack() -> list[str]:
+    """The resume modules on the call stack, outermost first, each once."""
+    seen: list[str] = []
+    for frame in reversed(inspect.stack()):
+        name = frame.frame.f_globals.get("__name__", "")
+        if name.startswith("resume") and name not in seen:
+            seen.append(name)
+    return seen
+
+
+def test_a_save_crosses_at_most_eight_modules_from_update_to_the_manifest(run_dir, monkeypatch):
+    coord, parts = build(0, 1, run_dir, Setup(every=2))
+    coord.restore()
+    stacks: list[list[str]] = []
+    original = RunClass.write_manifest
+
+    def write_manifest(self, manifest):
+        stacks.append([*_resume_modules_on_stack(), "resume.run"])  # the callee: Run.write_manifest
+        return original(self, manifest)
+    monkeypatch.setattr(RunClass, "write_manifest", write_manifest)
+    train(coord, parts, until=2)
+    coord.close()
+    assert len(stacks) == 1, stacks
+    modules = stacks[0]
+    assert modules[0] == "resume.coordinator" and modules[-1] == "resume.run", modules
+    assert len(modules) <= MAX_MODULES, f"a save crosses {len(modules)} modules: {modules}"
+
+
+def test_a_restore_parses_the_manifest_and_unpickles_the_dcp_metadata_once(run_dir, monkeypatch):
+    coord, parts = build(0, 1, run_dir, Setup(every=2))
+    coord.restore()
+    train(coord, parts, until=4)
+    coord.close()
+    counts = {"from_json": 0, "metadata": 0, "metadata_reads": 0}
+    from_json = resume.manifest.Manifest.from_json.__func__
+    unpickle = dcp_safe.restricted_load_metadata
+
+    def counting_from_json(cls, *a, **kw):
+        counts["from_json"] += 1
+        return from_json(cls, *a, **kw)
+
+    def counting_unpickle(*a, **kw):
+        counts["metadata"] += 1
+        return unpickle(*a, **kw)
+    monkeypatch.setattr(resume.manifest.Manifest, "from_json", classmethod(counting_from_json))
+    monkeypatch.setattr(dcp_safe, "restricted_load_metadata", counting_unpickle)
+    monkeypatch.setattr(torch_native, "restricted_load_metadata", counting_unpickle)
+    restored, _ = build(0, 1, run_dir, Setup(every=2))
+    read_bytes = restored.run.storage.read_bytes
+
+    def counting_read(path, *a, **kw):
+        counts["metadata_reads"] += path.endswith(".metadata")
+        return read_bytes(path, *a, **kw)
+    monkeypatch.setattr(restored.run.storage, "read_bytes", counting_read)
+    restored.restore()
+    restored.close()
+    assert restored.restored_from == 4
+    assert counts == {"from_json": 1, "metadata": 1, "metadata_reads": 1}, counts
+
+
+@pytest.mark.parametrize("newest_torn", [False, True])
+def test_discovery_reads_no_manifest_older_than_the_one_it_takes(run_dir, monkeypatch, newest_torn):
+    coord, parts = build(0, 1, run_dir, Setup(every=1, keep=5))
+    coord.restore()
+    train(coord, parts, until=5)
+    coord.close()
+    run = Run.open(run_dir)
+    if newest_torn:
+        run.storage.delete(run.manifest_path(5))
+    read: list[int] = []
+    original = RunClass.read_manifest
+
+    def read_manifest(self, step):
+        read.append(step)
+        return original(self, step)
+    monkeypatch.setattr(RunClass, "read_manifest", read_manifest)
+    manifest, rejected = run.find_latest()
+    assert manifest.step == (4 if newest_torn else 5)
+    assert read == ([5, 4] if newest_torn else [5]) and len(rejected) == int(newest_torn)
