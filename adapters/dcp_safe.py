@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import struct
+import zipfile
 from collections import OrderedDict
 from typing import Any
 
@@ -247,52 +249,12 @@ def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -
     One read into the target's own memory instead of torch.load + copy. False (nothing
     written) whenever anything is not as expected: the caller then takes the general path.
     """
-    import struct
-    import zipfile
-
     if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
         return False
-    window = _Window(f, offset, length)
-
-    def start_of(info: zipfile.ZipInfo) -> int:
-        """Where a stored record's bytes begin (its local header's name and extra vary)."""
-        window.seek(info.header_offset)
-        header = window.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ValueError("not a local file header")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        return info.header_offset + 30 + name_len + extra_len
-
-    def raw(info: zipfile.ZipInfo) -> bytes:
-        # Read as stored: our shards are written without torch's per-record CRC
-        # (the file's xxh3 covers them), which zipfile's reader would reject.
-        window.seek(start_of(info))
-        return window.read(info.file_size)
-
-    try:
-        with zipfile.ZipFile(window) as z:
-            infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
-        data, pkl = infos.get("data/0"), infos.get("data.pkl")
-        if data is None or pkl is None or "data/1" in infos or data.compress_type != zipfile.ZIP_STORED \
-                or pkl.compress_type != zipfile.ZIP_STORED:
-            return False
-        if "byteorder" in infos and raw(infos["byteorder"]) != b"little":
-            return False
-        kind, args = _RecordUnpickler(io.BytesIO(raw(pkl))).load()
-        data_start = start_of(data)
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError, EOFError):
+    found = _stored_record(_Window(f, offset, length))
+    if found is None or not _matches(found[0], found[2], target):
         return False
-    if kind != "tensor" or len(args) < 4:
-        return False
-    (tag, pid), storage_offset, size, stride = args[0], args[1], tuple(args[2]), tuple(args[3])
-    if tag != "storage" or not isinstance(pid, tuple) or len(pid) < 5:
-        return False
-    dtype = _STORAGE_DTYPES.get(pid[1])
-    expected_stride = tuple(torch.empty(0).new_empty(size).stride()) if size else ()
-    if (dtype != target.dtype or storage_offset != 0 or size != tuple(target.shape) or stride != expected_stride
-            or data.file_size != target.numel() * target.element_size()):
-        return False
-    f.seek(offset + data_start)
+    f.seek(offset + found[1])
     view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
     filled = 0
     while filled < len(view):
@@ -301,6 +263,53 @@ def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -
             raise EOFError(f"stored tensor ends after {filled} of {len(view)} bytes")
         filled += n
     return True
+
+
+def _local_start(window: _Window, info: zipfile.ZipInfo) -> int:
+    """Where a stored record's bytes begin (its local header's name and extra vary)."""
+    window.seek(info.header_offset)
+    header = window.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("not a local file header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _raw(window: _Window, info: zipfile.ZipInfo) -> bytes:
+    # Read as stored: our shards are written without torch's per-record CRC
+    # (the file's xxh3 covers them), which zipfile's reader would reject.
+    window.seek(_local_start(window, info))
+    return window.read(info.file_size)
+
+
+def _stored_record(window: _Window) -> tuple[tuple, int, zipfile.ZipInfo] | None:
+    """(the tensor record's arguments, where its one data record starts, that record) of a
+    torch.save zip whose records are all stored uncompressed and little-endian; else None."""
+    try:
+        with zipfile.ZipFile(window) as z:
+            infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+        data, pkl = infos.get("data/0"), infos.get("data.pkl")
+        if data is None or pkl is None or "data/1" in infos or data.compress_type != zipfile.ZIP_STORED \
+                or pkl.compress_type != zipfile.ZIP_STORED:
+            return None
+        if "byteorder" in infos and _raw(window, infos["byteorder"]) != b"little":
+            return None
+        kind, args = _RecordUnpickler(io.BytesIO(_raw(window, pkl))).load()
+        data_start = _local_start(window, data)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError, EOFError):
+        return None
+    return (args, data_start, data) if kind == "tensor" and len(args) >= 4 else None
+
+
+def _matches(args: tuple, data: zipfile.ZipInfo, target: torch.Tensor) -> bool:
+    """The record is a whole, contiguous tensor of the target's dtype and shape."""
+    (tag, pid), storage_offset, size, stride = args[0], args[1], tuple(args[2]), tuple(args[3])
+    if tag != "storage" or not isinstance(pid, tuple) or len(pid) < 5:
+        return False
+    dtype = _STORAGE_DTYPES.get(pid[1])
+    expected_stride = tuple(torch.empty(0).new_empty(size).stride()) if size else ()
+    return (dtype == target.dtype and storage_offset == 0 and size == tuple(target.shape)
+            and stride == expected_stride and data.file_size == target.numel() * target.element_size())
 
 
 def pickle_refusal(error: BaseException) -> str:

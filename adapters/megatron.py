@@ -79,6 +79,7 @@ from resume.errors import (
 )
 from resume.lease import Lease
 from resume.manifest import Manifest
+from resume.restore import verify_share
 from resume.run import Run
 from resume.state import TrainState
 from resume.storage import join, open_storage
@@ -147,16 +148,6 @@ def lr_ahead_megatron(scheduler: Any, increment: int, k: int, groups: list[dict]
             probe.step(increment=increment)
         out.append([float(probe.get_lr(g)) for g in probe_groups])
     return out
-
-
-def verify_share(run: Run, collective: Collective, manifest: Manifest) -> list[str]:
-    """Collective: every rank checksums its share of the checkpoint's files; every problem found,
-    on every rank. Storage that refuses a read raises on every rank instead: it says nothing
-    about the checkpoint, which must not be passed over for it."""
-    share = sorted(manifest.files)[collective.rank::collective.world_size]
-    found = collective.each(lambda: run.verify_checksums(manifest, share, raise_unreadable=True),
-                            f"checksum verification of {run.dirname(manifest.step)}")
-    return [problem for problems in found for problem in problems]
 
 
 @dataclass

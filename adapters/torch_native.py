@@ -465,23 +465,7 @@ class NativeTorchAdapter(Adapter):
         old_lrs = {i: [_lr_value(g["lr"]) for g in opt.param_groups] for i, opt in enumerate(self.optimizers)}
         old_peaks = {i: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
                      for i, opt in enumerate(self.optimizers)}
-        peaks_moved: set[int] = set()
-        reconfigured: set[int] = set()  # scheduler indices
-        for item in items:
-            m = _GROUP_ITEM.match(item)
-            if m:
-                i, j, key = int(m[1]), int(m[2]), m[3]
-                group, code = self.optimizers[i].param_groups[j], snapshot["groups"][i][j]
-                if key in code:
-                    group[key] = copy.deepcopy(code[key])
-                else:
-                    group.pop(key, None)
-                if key == "initial_lr":
-                    peaks_moved.add(i)
-                continue
-            m = _SCHEDULE_ITEM.match(item)
-            if m and snapshot["schedulers"][int(m[1])] is not None:  # ours: the code's already
-                reconfigured.add(int(m[1]))
+        peaks_moved, reconfigured = self._put_back(items, snapshot)
         for k in sorted(reconfigured):
             s, code_state = self.schedulers[k], snapshot["schedulers"][k]
             loaded = s.state_dict()
@@ -510,6 +494,28 @@ class NativeTorchAdapter(Adapter):
             else:
                 log.warning("resume: the schedule of optimizer[%d] changed and has no closed form: its "
                             "current LR stays %s until the schedule moves it", i, old_lrs[i])
+
+    def _put_back(self, items: list[str], snapshot: Any) -> tuple[set[int], set[int]]:
+        """The code's param-group values for the accepted group items; (the optimizers whose
+        peak moved, the torch schedulers whose configuration is the code's)."""
+        peaks_moved: set[int] = set()
+        reconfigured: set[int] = set()
+        for item in items:
+            m = _GROUP_ITEM.match(item)
+            if m:
+                i, j, key = int(m[1]), int(m[2]), m[3]
+                group, code = self.optimizers[i].param_groups[j], snapshot["groups"][i][j]
+                if key in code:
+                    group[key] = copy.deepcopy(code[key])
+                else:
+                    group.pop(key, None)
+                if key == "initial_lr":
+                    peaks_moved.add(i)
+                continue
+            m = _SCHEDULE_ITEM.match(item)
+            if m and snapshot["schedulers"][int(m[1])] is not None:  # ours: the code's already
+                reconfigured.add(int(m[1]))
+        return peaks_moved, reconfigured
 
     def _param_names(self) -> dict:
         names = {}

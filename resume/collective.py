@@ -99,8 +99,11 @@ class Collective:
         local: BaseException | None = None
         try:
             report: tuple = ("ok", fn())
-        except Exception as e:
-            log.exception("resume: rank %d failed", self.rank)
+        except Exception as e:  # raised on every rank below
+            if isinstance(e, ResumeError):  # a refusal of ours says it all in one line
+                log.error("resume: rank %d: %s", self.rank, e)
+            else:
+                log.exception("resume: rank %d failed", self.rank)
             local, report = e, ("error", Failure.of(e, self.rank))
         reports = self.comm.all_gather_object(report)
         failures = [r[1] for r in reports if r[0] != "ok"]

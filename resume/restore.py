@@ -33,7 +33,7 @@ from .run import CheckResult, Run
 from .state import TrainState
 from .storage import join
 
-__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs"]
+__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs", "verify_share"]
 
 log = logging.getLogger("resume")
 
@@ -116,29 +116,12 @@ class Restorer:
                 log.warning("resume: cannot point LATEST at %s: %s", self.run.dirname(chosen.step), e)
 
     def verify_share(self, manifest: Manifest, *, prepare: bool = False) -> list[str]:
-        """Collective: every rank checksums its share of the files; all problems, on every rank.
-
-        With ``prepare`` the reads run beside the adapter's ``prepare_load()`` (a fresh
-        optimizer's state made ready to be loaded into): the file I/O and that compute
-        overlap instead of adding up.
-        """
-        share = sorted(manifest.files)[self.coll.rank::self.coll.world_size]
-
-        def verify() -> list[str]:
-            return self.run.verify_checksums(manifest, share, raise_unreadable=True)
-        if not prepare or self.prepared is not None:
-            return [p for problems in self.coll.each(verify, "checksum verification") for p in problems]
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resume-verify") as pool:
-            pending = pool.submit(verify)
-
-            def prepare_and_verify() -> list[str]:
-                try:
-                    self.prepared = (self.adapter.prepare_load(),)
-                finally:  # the reads' error first, else the preparation's; agreed on below
-                    problems = pending.result()
-                return problems
-            gathered = self.coll.each(prepare_and_verify, "checksum verification")
-        return [p for problems in gathered for p in problems]
+        """``verify_share``; with ``prepare`` the reads run beside the adapter's ``prepare_load()``
+        (a fresh optimizer's state made ready to be loaded into): I/O and compute overlap."""
+        def prepare_load() -> None:
+            self.prepared = (self.adapter.prepare_load(),)
+        needed = prepare and self.prepared is None
+        return verify_share(self.run, self.coll, manifest, alongside=prepare_load if needed else None)
 
     def discard_prepared(self) -> None:
         """Nothing will be loaded: put back what ``prepare_load()`` made (a fresh start stays fresh)."""
@@ -231,6 +214,30 @@ class Restorer:
         if missing:
             raise ManifestError(f"{url}: expected fields rng, data, adapter, actual missing {sorted(missing)}")
         return rank_state
+
+
+def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
+                 alongside: Callable[[], None] | None = None) -> list[str]:
+    """Collective: every rank checksums its share of the checkpoint's files; every problem found,
+    on every rank. Storage that refuses a read raises on every rank instead: it says nothing
+    about the checkpoint, which must not be passed over for it. ``alongside`` runs on every
+    rank while its reads do (its error, after the reads', is agreed on like theirs)."""
+    share = sorted(manifest.files)[coll.rank::coll.world_size]
+
+    def verify() -> list[str]:
+        return run.verify_checksums(manifest, share, raise_unreadable=True)
+
+    def verify_beside() -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resume-verify") as pool:
+            pending = pool.submit(verify)
+            try:
+                alongside()
+            finally:  # the reads' error first, else the other's
+                problems = pending.result()
+        return problems
+    found = coll.each(verify if alongside is None else verify_beside,
+                      f"checksum verification of {run.dirname(manifest.step)}")
+    return [problem for problems in found for problem in problems]
 
 
 def _sort_rejected(rejected: list[CheckResult], broken: list, torn: list) -> None:
