@@ -2,60 +2,63 @@
 
 from .adapter import Adapter
 from .comm import Comm, LocalComm
+from .config import CoordinatorConfig
 from .continuity import Expectation
 from .coordinator import Coordinator
 from .errors import (
-                     CheckpointNotFoundError,
-                     ContinuityError,
-                     CorruptCheckpointError,
-                     InvariantError,
-                     LeaseLostError,
-                     ManifestError,
-                     NoValidCheckpointError,
-                     ResumeError,
-                     RunBusyError,
-                     RunNotFoundError,
-                     SaveFailedError,
-                     SaveTimeoutError,
-                     StorageError,
-                     UnsafeCheckpointError,
-                     UsageError,
+    CheckpointNotFoundError,
+    ContinuityError,
+    CorruptCheckpointError,
+    InvariantError,
+    LeaseLostError,
+    ManifestError,
+    NoValidCheckpointError,
+    ResumeError,
+    RunBusyError,
+    RunNotFoundError,
+    SaveFailedError,
+    SaveTimeoutError,
+    StorageError,
+    UnsafeCheckpointError,
+    UsageError,
 )
 from .manifest import Manifest
+from .policy import KeepPolicy
 from .rng import RngRegistry
-from .run import CheckResult, KeepPolicy, Run
+from .run import CheckResult, Run
 from .state import TrainState
 from .storage import open_storage
 
 __version__ = "0.1.0"
 
 __all__ = [
-                     "Adapter",
-                     "CheckResult",
-                     "CheckpointNotFoundError",
-                     "Comm",
-                     "ContinuityError",
-                     "Coordinator",
-                     "CorruptCheckpointError",
-                     "Expectation",
-                     "InvariantError",
-                     "KeepPolicy",
-                     "LeaseLostError",
-                     "LocalComm",
-                     "Manifest",
-                     "ManifestError",
-                     "NoValidCheckpointError",
-                     "ResumeError",
-                     "RngRegistry",
-                     "Run",
-                     "RunBusyError",
-                     "RunNotFoundError",
-                     "SaveFailedError",
-                     "SaveTimeoutError",
-                     "StorageError",
-                     "TrainState",
-                     "UnsafeCheckpointError",
-                     "UsageError",
-                     "__version__",
-                     "open_storage",
+    "Adapter",
+    "CheckResult",
+    "CheckpointNotFoundError",
+    "Comm",
+    "ContinuityError",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CorruptCheckpointError",
+    "Expectation",
+    "InvariantError",
+    "KeepPolicy",
+    "LeaseLostError",
+    "LocalComm",
+    "Manifest",
+    "ManifestError",
+    "NoValidCheckpointError",
+    "ResumeError",
+    "RngRegistry",
+    "Run",
+    "RunBusyError",
+    "RunNotFoundError",
+    "SaveFailedError",
+    "SaveTimeoutError",
+    "StorageError",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "UsageError",
+    "__version__",
+    "open_storage",
 ]
