@@ -45,7 +45,7 @@ Call sequence (every rank, in this order; some calls are collective):
 and call ``install()`` before ``pretrain(...)``. ``megatron.training`` of
 megatron-core 0.19.2 needs Python >= 3.12 (it imports ``typing.override``), as
 Megatron's own containers have; this module does not patch the standard library
-(the tests, on 3.11, alias it in ``tests/megatron_support.py``).
+(the tests, on 3.11, alias it in ``tests/support/megatron.py``).
 """
 
 from __future__ import annotations

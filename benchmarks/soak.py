@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from crash_harness import soak
+from support.crash_jobs import soak
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="resume-soak-", dir=args.dir) as root:
         s3 = proxy = server = None
         if args.s3:
-            from s3_support import FaultProxy, S3Server, s3_env
+            from support.s3 import FaultProxy, S3Server, s3_env
 
             server = S3Server(os.path.join(root, "s3data"))
             server.start()

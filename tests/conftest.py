@@ -15,12 +15,12 @@ def run_dir(tmp_path):
 def megatron_save(tmp_path_factory):
     """A Megatron save directory written by megatron.training's own save_checkpoint with resume
     installed (iterations 4 and 6). Tests that change it work on a copy."""
-    from megatron_support import require_megatron
-    from multiproc import run_ranks
+    from support.megatron import require_megatron
+    from support.ranks import run_ranks
 
     require_megatron()
     save_dir = str(tmp_path_factory.mktemp("megatron") / "save")
-    from megatron_training_run import train_and_save
+    from support.megatron_training_run import train_and_save
 
     result = run_ranks(train_and_save, 1, save_dir)[0]
     assert result["recorder_url"] == save_dir

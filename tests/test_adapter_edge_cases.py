@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.worker import tensor_digest
 
 from resume import ContinuityError, Coordinator, UnsafeCheckpointError
-from resume.drill.worker import tensor_digest
 
 
 class TwoHeads(torch.nn.Module):

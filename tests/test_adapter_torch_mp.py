@@ -7,19 +7,26 @@ AdamW + Muon with two schedulers, and a restart on another data-parallel size.
 
 from __future__ import annotations
 
-import os
-import pickle
-
 import pytest
 import torch
-from multiproc import run_ranks
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
-from workloads import CFG, Setup, build, moment_digests, param_digests, train
-
-from resume import Coordinator, UnsafeCheckpointError
 from resume.drill.model import SyntheticTokens, TinyGPT, warmup_cosine
 from resume.drill.worker import tensor_digest
+from support.checkpoints import plant_metadata_pickle
+from support.ranks import run_ranks
+from support.workloads import (
+    CFG,
+    Setup,
+    build,
+    moment_digests,
+    next_token_loss,
+    param_digests,
+    train,
+    trained,
+)
+
+from resume import Coordinator, UnsafeCheckpointError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,9 +77,7 @@ def muon_round_trip(rank: int, world: int, tmp: str) -> dict:
     coord, model, ddp, opts, scheds = _muon_job(rank, world, tmp)
     coord.restore()
     for batch in coord.batches():
-        tokens = batch["tokens"]
-        logits = ddp(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        next_token_loss(ddp, batch["tokens"]).backward()
         for o in opts:
             o.step()
             o.zero_grad()
@@ -223,29 +228,12 @@ def test_sampler_stream_is_the_same_for_any_data_parallel_size():
 
 def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
     run = str(tmp_path / "run")
-    coord, parts = build(0, 1, run, Setup(every=2))
-    coord.restore()
-    train(coord, parts, until=2)
-    coord.close()
+    trained(run, until=2, every=2)
     step_dir = tmp_path / "run" / "step-000000002"
     marker = tmp_path / "pwned"
+    plant_metadata_pickle(str(step_dir), str(marker))
 
-    class Exploit:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    (step_dir / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    # Keep the manifest's size and checksum right so only the content check can refuse it.
-    import json
-
-    from resume.checksum import checksum_bytes
-
-    manifest = json.loads((step_dir / "manifest.json").read_text())
-    data = (step_dir / ".metadata").read_bytes()
-    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
-    (step_dir / "manifest.json").write_text(json.dumps(manifest))
-
-    coord, parts = build(0, 1, run, Setup(every=2))
+    coord, _ = build(0, 1, run, Setup(every=2))
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: pickle global: .*posix\.system"):
         coord.restore()
     assert not marker.exists()

@@ -4,13 +4,13 @@ training goes on; what commits is the state at the save; a restart loads it and 
 from __future__ import annotations
 
 import pytest
-from multiproc import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _train(rank: int, world: int, run: str) -> dict:
-    from workloads import Setup, build, moment_digests, param_digests, train
+    from support.workloads import Setup, build, moment_digests, param_digests, train
 
     coord, parts = build(rank, world, run, Setup(every=3, async_save=True))
     coord.restore()
@@ -22,7 +22,7 @@ def _train(rank: int, world: int, run: str) -> dict:
 
 
 def _restore(rank: int, world: int, run: str) -> dict:
-    from workloads import Setup, build, moment_digests, param_digests
+    from support.workloads import Setup, build, moment_digests, param_digests
 
     coord, parts = build(rank, world, run, Setup(every=3))
     coord.restore()

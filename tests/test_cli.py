@@ -14,23 +14,11 @@ import sys
 import time
 
 import pytest
+from support.checkpoints import flip_byte
+from support.cli import assert_one_line_error, invoke, resume
+from support.ports import free_port
 
 pytestmark = pytest.mark.multiprocess
-
-RESUME = [sys.executable, "-m", "resume.cli"]
-
-
-def resume(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*RESUME, *args], check=False, capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("resume: error: ") for line in lines), proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, (needle, proc.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +56,7 @@ def test_verify_deep_passes_on_the_drill_run(run_copy):
 
 
 def test_verify_deep_names_the_shard_with_one_flipped_byte(run_copy):
-    shard = os.path.join(run_copy, "step-000000035", "__1_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(os.path.join(run_copy, "step-000000035", "__1_0.distcp"))
     shallow = resume("verify", run_copy)
     assert shallow.returncode == 0  # sizes are right: only the checksums can tell
     proc = resume("verify", run_copy, "--deep")
@@ -117,7 +100,7 @@ def test_inspect_shows_counters_and_expectation(run_copy):
 def changed_run(tmp_path, monkeypatch):
     """A real run restarted once with another peak LR (accepted through RESUME_ACCEPT_CHANGES),
     with the program's own values in coord.user: checkpoints 3 (before) and 6 (after)."""
-    from workloads import Setup, build, train
+    from support.workloads import Setup, build, train
 
     from resume.changes import ACCEPT_ENV
 
@@ -314,16 +297,11 @@ EXIT_CODE_STATES = {
 
 @pytest.mark.parametrize("state", EXIT_CODE_STATES)
 def test_inspect_exits_with_the_code_verify_gives_for_the_same_state(run_copy, state):
-    from click.testing import CliRunner
-
-    from resume.cli import cli
-
     damage, args, expected = EXIT_CODE_STATES[state]
     damage(run_copy)
     codes, errors = {}, {}
     for command in (["verify"], ["inspect"], ["verify", "--json"], ["inspect", "--json"]):
-        result = CliRunner().invoke(cli, [*command, run_copy, *args])
-        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        result = invoke(*command, run_copy, *args)
         codes[" ".join(command)], errors[" ".join(command)] = result.exit_code, result.stderr
     assert codes == dict.fromkeys(codes, expected), codes
     assert errors["inspect"] == errors["verify"] and bool(errors["verify"]) == (expected != 0), errors
@@ -332,15 +310,9 @@ def test_inspect_exits_with_the_code_verify_gives_for_the_same_state(run_copy, s
 # -- resume save against a running job -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_worker(run: str, *, iterations: int, every: int, trace: str, final: str,
                  ranks: int = 2) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from resume.cluster.layout import REFERENCE, Layout
 from resume.cluster.simulate import Assumptions, best_interval, failure_times, report, simulate
+from support.cli import resume
 
 from resume import UsageError
 
@@ -83,8 +82,7 @@ def test_spares_cut_requeues_and_a_recommendation_is_made():
 
 
 def test_ninety_days_of_the_reference_print_one_json_object():
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "simulate", "--json"], check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = resume("simulate", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     assert body["simulated_days"] == 90
@@ -92,8 +90,7 @@ def test_ninety_days_of_the_reference_print_one_json_object():
 
 
 def test_plan_json_has_the_fields_operators_script_against():
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "plan", "--json"], check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = resume("plan", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     assert (body["nodes"], body["gpus_per_node"], body["tp"], body["pp"], body["cp"], body["dp"]) == \
@@ -103,8 +100,7 @@ def test_plan_json_has_the_fields_operators_script_against():
 
 
 def test_plan_rejects_a_layout_that_does_not_fit_with_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "plan", "--nodes", "4"], check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = resume("plan", "--nodes", "4", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("resume: error: layout: nodes: expected at least 8")
 
@@ -129,6 +125,5 @@ def test_weibull_nodes_start_in_steady_state():
                                   ["--weibull-shape", "0.001", "--distribution", "weibull"],
                                   ["--node-mtbf-hours", "1"], ["--stall-s", "0"]])
 def test_simulate_bad_input_is_a_usage_error(args):
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "simulate", *args], check=False,
-                          capture_output=True, text=True, timeout=60)
+    proc = resume("simulate", *args, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("resume: error: simulate: ")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from multiproc import run_ranks
-from workloads import Setup, build, restore_outcome, train
+from support.ranks import run_ranks
+from support.workloads import Setup, build, restore_outcome, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -143,7 +143,7 @@ def test_setup_defaults_are_what_phase_one_used():
 
 
 def failing_save_on_rank_1(rank: int, world: int, tmp: str) -> dict:
-    from workloads import NativeTorchAdapter
+    from resume.adapters.torch_native import NativeTorchAdapter
 
     class FailsOnRank1(NativeTorchAdapter):
         def state_dict(self):

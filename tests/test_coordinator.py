@@ -8,30 +8,15 @@ import os
 import pytest
 import torch
 from resume.adapters.torch_native import NativeTorchAdapter
-from workloads import Setup, build, train
+from support.checkpoints import flip_byte
+from support.workloads import Setup, build, train, trained
 
 from resume import ContinuityError, Coordinator, NoValidCheckpointError, Run, UsageError
 
 
-def trained(run: str, until: int, **setup) -> Coordinator:
-    coord, parts = build(0, 1, run, Setup(**setup))
-    coord.restore()
-    train(coord, parts, until=until)
-    coord.close()
-    return coord
-
-
-def flip_middle_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(run_dir, caplog):
     trained(run_dir, until=6, every=3)
-    flip_middle_byte(os.path.join(run_dir, "step-000000006", "__0_0.distcp"))
+    flip_byte(os.path.join(run_dir, "step-000000006", "__0_0.distcp"))
     coord, parts = build(0, 1, run_dir, Setup(every=3))
     with caplog.at_level("WARNING", logger="resume"):
         coord.restore()

@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 import pytest
 from click.testing import CliRunner
 from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
-from workloads import Setup, build, train
+from support.checkpoints import flip_byte, write_checkpoint
+from support.cli import invoke
+from support.workloads import Setup, build, train, trained
 
 from resume import NoValidCheckpointError, Run
-from resume.checksum import checksum_bytes
 from resume.cli import cli
-from resume.manifest import FileEntry, Manifest
-from resume.state import TrainState
 from resume.storage import LocalStorage
 
 STEP4 = "step-000000004"
@@ -43,10 +42,7 @@ SHARD = "__0_0.distcp"
 def trained_run(tmp_path_factory) -> str:
     """A real run with committed steps 2 and 4 (LATEST names 4); copied per test."""
     run = str(tmp_path_factory.mktemp("corruption") / "run")
-    coord, parts = build(0, 1, run, Setup(every=2))
-    coord.restore()
-    train(coord, parts, until=4)
-    coord.close()
+    trained(run, until=4, every=2)
     assert Run.open(run).committed_steps() == [2, 4]
     assert sorted(os.listdir(os.path.join(run, STEP4))) == [".metadata", SHARD, "manifest.json",
                                                             "rank-00000.json"]
@@ -67,13 +63,9 @@ def step_path(run: str, step: int, *parts: str) -> str:
     return os.path.join(run, f"step-{step:09d}", *parts)
 
 
-def flip_middle_byte(run: str, step: int) -> None:
+def flip_shard_byte(run: str, step: int) -> None:
     """Silent corruption: same size, one byte different."""
-    with open(step_path(run, step, SHARD), "r+b") as f:
-        f.seek(os.path.getsize(f.name) // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(step_path(run, step, SHARD))
 
 
 def truncate_shard(run: str, step: int) -> None:
@@ -125,8 +117,7 @@ def write_latest(run: str, text: str) -> None:
 
 
 def verify(run: str, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, ["verify", run, *args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    result = invoke("verify", run, *args)
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -165,7 +156,7 @@ class Damage:
 
 
 DAMAGES = {
-    "flipped_byte": Damage(flip_middle_byte, (f"{STEP4}/{SHARD}", "checksum: expected"),
+    "flipped_byte": Damage(flip_shard_byte, (f"{STEP4}/{SHARD}", "checksum: expected"),
                            log="checksum", verify_args=("--deep",)),
     "truncated_shard": Damage(truncate_shard, (f"{STEP4}/{SHARD}", "size: expected"), log="size: expected"),
     "missing_shard": Damage(delete_shard, (f"{STEP4}/{SHARD}", "actual missing"), log="actual missing"),
@@ -208,7 +199,7 @@ def test_verify_names_the_damage_with_exit_1(run_copy, case):
 
 
 def test_flipped_byte_keeps_sizes_so_only_deep_verify_sees_it(run_copy):
-    flip_middle_byte(run_copy, 4)
+    flip_shard_byte(run_copy, 4)
     code, out, err = verify(run_copy)
     assert code == 0, (out, err)
     assert_one_line_problem(run_copy, ("--deep", "--step", "4"), f"{STEP4}/{SHARD}", "checksum")
@@ -322,7 +313,7 @@ def test_latest_problem_in_json_output(run_copy):
 def test_a_restore_that_moved_the_newest_aside_points_latest_at_the_one_it_loaded(run_copy):
     """After a restore passed over a broken newest, LATEST names the checkpoint it loaded,
     not the one moved aside: verify is clean at once, and after the next commit too."""
-    flip_middle_byte(run_copy, 4)
+    flip_shard_byte(run_copy, 4)
     coord, parts = build(0, 1, run_copy, Setup(every=2))
     coord.restore()
     assert coord.restored_from == 2
@@ -336,14 +327,6 @@ def test_a_restore_that_moved_the_newest_aside_points_latest_at_the_one_it_loade
 
 
 # -- the unlisted-entry check on hand-built checkpoints -------------------------------------------
-
-
-def write_checkpoint(run: Run, step: int, files: dict[str, bytes]) -> None:
-    for rel, data in files.items():
-        run.storage.write_bytes_atomic(run.step_path(step, rel), data)
-    run.write_manifest(Manifest(step=step, train_state=TrainState(iteration=step, samples_read=step,
-                                                                  updates_successful=step),
-                                files={p: FileEntry(len(d), checksum_bytes(d)) for p, d in files.items()}))
 
 
 def test_nested_listed_paths_count_their_directory_as_listed_but_a_planted_directory_does_not(tmp_path):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from crash_harness import UNTIL, committed_deep, run_job
-from s3_support import S3Server, s3_env
+from support.crash_jobs import UNTIL, committed_deep, run_job
+from support.s3 import S3Server, s3_env
 
 from resume.faults import POINTS, RANK0_POINTS
 from resume.run import Run

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 from resume.adapters.torch_native import allreduce_each_gradient
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT
+from support.ranks import run_ranks
+from support.workloads import next_token_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.multiprocess
@@ -34,8 +35,7 @@ def losses(rank: int, world: int, rebuild_at: int) -> list[float]:
             ddp = DDP(model)
             ddp.register_comm_hook(state=None, hook=allreduce_each_gradient)
         tokens = data[(it * world + rank) % 60: (it * world + rank) % 60 + 2]
-        logits = ddp(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = next_token_loss(ddp, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()

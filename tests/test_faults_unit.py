@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-import workloads
-from workloads import Setup, build, train
+from support.workloads import started, train, with_coordinator_options
 
-from resume import ContinuityError, Coordinator, ResumeError, Run, SaveFailedError, faults
+from resume import ContinuityError, ResumeError, Run, SaveFailedError, faults
 from resume.faults import ENV, Fault, InjectedFault
 
 
@@ -163,17 +161,6 @@ def test_a_bad_environment_variable_fails_at_the_first_point_naming_it():
 
 
 # -- the save-failure policy, in a coordinator (one process, a real model) -----------------
-
-
-def with_coordinator_options(monkeypatch, **options) -> None:
-    """workloads.build passes these to the Coordinator too."""
-    monkeypatch.setattr(workloads, "Coordinator", functools.partial(Coordinator, **options))
-
-
-def started(run_dir: str, **setup):
-    coord, parts = build(0, 1, run_dir, Setup(**setup))
-    coord.restore()
-    return coord, parts
 
 
 def run_entries(run_dir: str) -> list[str]:

@@ -18,12 +18,9 @@ import textwrap
 
 import pytest
 import torch
-from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter
-from workloads import CFG
+from support.workloads import build_12mib_job, train_12mib_job
 
 from resume import Coordinator, SaveFailedError
-from resume.drill.model import SyntheticTokens
 from resume.run import Run
 
 MIB = 1 << 20
@@ -53,34 +50,12 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def make_coordinator(run: str, **options) -> tuple[Coordinator, torch.nn.Module, torch.optim.Optimizer]:
-    """12 MiB per checkpoint: 1024 x 1024 fp32 weights and two AdamW moments."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 1024, bias=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dataset = SyntheticTokens(num_samples=100, cfg=CFG)
-    data = StatefulLoader(dataset, GlobalPositionSampler(len(dataset), 1, rank=0, world_size=1, seed=0))
-    coord = Coordinator(run, NativeTorchAdapter(model, opt, None, data), global_batch=1, every=2,
-                        handle_signals=False, **options)
-    return coord, model, opt
-
-
-def train(coord: Coordinator, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int) -> None:
-    for _ in coord.batches():
-        model(torch.ones(1, 1024)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        coord.update()
-        if coord.iteration >= until:
-            return
-
-
 def committed_at_2(where: str, **options) -> tuple[str, Coordinator, torch.nn.Module, torch.optim.Optimizer]:
     """A run on ``where`` whose first checkpoint (step 2) is committed."""
     run = os.path.join(where, "run")
-    coord, model, opt = make_coordinator(run, **options)
+    coord, model, opt = build_12mib_job(run, **options)
     coord.restore()
-    train(coord, model, opt, until=2)
+    train_12mib_job(coord, model, opt, until=2)
     return run, coord, model, opt
 
 
@@ -96,21 +71,21 @@ def test_a_file_system_that_fills_keeps_the_previous_checkpoint_and_training_goe
     used_after_one = used_bytes(where)
 
     # The save of step 4 cannot fit beside step 2: ENOSPC from the kernel, mid-write.
-    train(coord, model, opt, until=4)
+    train_12mib_job(coord, model, opt, until=4)
     assert coord.last_committed_step == 2 and coord.save_failures == 1
     assert Run.open(run).step_dirs() == [2]  # the partial step was removed...
     assert used_bytes(where) <= used_after_one + MIB  # ...and its room given back
 
     # Step 2 is intact, verifies deep and restores with the continuity check passing.
     assert Run.open(run).check(2, deep=True).committed
-    again, _, _ = make_coordinator(run, lease_ttl_s=None)
+    again, _, _ = build_12mib_job(run, lease_ttl_s=None)
     again.restore()
     assert again.restored_from == 2
     again.close()
 
     # Room again: the next scheduled save commits, training never stopped.
     remount("size=64m")
-    train(coord, model, opt, until=6)
+    train_12mib_job(coord, model, opt, until=6)
     assert coord.last_committed_step == 6 and coord.save_failures == 0
     coord.close()
     assert Run.open(run).committed_steps() == [2, 6]
@@ -122,7 +97,7 @@ def test_a_full_file_system_stops_the_job_by_default_saying_how_many_bytes(small
     with pytest.raises(SaveFailedError, match=r"disk full \(or quota\) on ranks \[0\]: expected room for "
                        r"each rank's shards, about \d+ bytes for this one, actual no space left, \d+ bytes "
                        r"free now"):
-        train(coord, model, opt, until=4)
+        train_12mib_job(coord, model, opt, until=4)
     coord.close()
     run_ = Run.open(run)
     assert run_.committed_steps() == [2] and run_.step_dirs() == [2]
@@ -134,12 +109,12 @@ def test_read_only_storage_fails_the_save_clearly_and_the_next_save_after_a_remo
     run, coord, model, opt = committed_at_2(where, on_save_failure="continue", max_save_failures=3)
     remount("ro")
     try:
-        train(coord, model, opt, until=4)
+        train_12mib_job(coord, model, opt, until=4)
         assert coord.save_failures == 1 and coord.last_committed_step == 2
         assert Run.open(run).check(2, deep=True).committed
     finally:
         remount("rw,size=64m")
-    train(coord, model, opt, until=6)
+    train_12mib_job(coord, model, opt, until=6)
     assert coord.last_committed_step == 6
     coord.close()
     assert Run.open(run).committed_steps() == [2, 6]
@@ -151,7 +126,7 @@ def test_read_only_storage_with_the_default_policy_stops_naming_the_file_system_
     remount("ro")
     try:
         with pytest.raises(SaveFailedError, match=r"step-000000004: save failed: .*Read-only file system"):
-            train(coord, model, opt, until=4)
+            train_12mib_job(coord, model, opt, until=4)
     finally:
         remount("rw")
         coord.close()
@@ -161,17 +136,17 @@ def test_read_only_storage_with_the_default_policy_stops_naming_the_file_system_
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {tests!r})
-    from test_full_disk import make_coordinator, train
+    from support.workloads import build_12mib_job, train_12mib_job
 
     run = sys.argv[1]
-    coord, model, opt = make_coordinator(run, on_save_failure="continue", lease_ttl_s=None)
+    coord, model, opt = build_12mib_job(run, on_save_failure="continue", lease_ttl_s=None)
     coord.restore()
-    train(coord, model, opt, until=2)
+    train_12mib_job(coord, model, opt, until=2)
     os.chmod(run, 0o555)                       # the run directory may no longer be written
-    train(coord, model, opt, until=4)
+    train_12mib_job(coord, model, opt, until=4)
     failures_at_4 = coord.save_failures
     os.chmod(run, 0o755)
-    train(coord, model, opt, until=6)
+    train_12mib_job(coord, model, opt, until=6)
     coord.close()
     print(json.dumps({{"failures_at_4": failures_at_4, "committed": coord.last_committed_step}}))
 """)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -13,10 +12,9 @@ import time
 from dataclasses import asdict
 
 import pytest
-import workloads
-from workloads import Setup, build, train
+from support.workloads import Setup, build, train, with_coordinator_options
 
-from resume import Coordinator, LeaseLostError, Run, RunBusyError, SaveFailedError
+from resume import LeaseLostError, Run, RunBusyError, SaveFailedError
 from resume.lease import LEASE_NAME, Holder, Lease, read_holder
 from resume.storage import LocalStorage
 
@@ -415,7 +413,7 @@ def test_a_job_whose_lease_was_taken_over_leaves_the_new_holders_files_alone(run
 
 
 def test_without_a_lease_ttl_no_lease_is_taken(run_dir, monkeypatch):
-    monkeypatch.setattr(workloads, "Coordinator", functools.partial(Coordinator, lease_ttl_s=None))
+    with_coordinator_options(monkeypatch, lease_ttl_s=None)
     monkeypatch.setenv("RESUME_JOB_ID", "job-A")
     coord, parts = build(0, 1, run_dir, Setup(every=2))
     coord.restore()
@@ -436,7 +434,7 @@ JOB = textwrap.dedent("""\
     run, wait_for, ready, until, then = sys.argv[1:]
     while wait_for != "-" and not os.path.exists(wait_for):
         time.sleep(0.02)
-    from workloads import Setup, build, train
+    from support.workloads import Setup, build, train
     coord, parts = build(0, 1, run, Setup(every=2))
     coord.restore()
     restored_from = coord.restored_from

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import pickle
 import struct
 import zipfile
@@ -33,9 +32,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from resume.adapters import dcp_safe
+from support.checkpoints import CodeRunningPickle
+from support.workloads import Setup, build, trained
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from workloads import Setup, build, train
 
 from resume import UnsafeCheckpointError
 from resume.checksum import checksum_bytes
@@ -48,19 +48,8 @@ BYTES_ITEM = "optim.param_groups.0.lr"  # a non-tensor entry: DCP writes it with
 
 def trained_run(tmp_path: Path) -> tuple[str, Path]:
     run = str(tmp_path / "run")
-    coord, parts = build(0, 1, run, Setup(every=2))
-    coord.restore()
-    train(coord, parts, until=2)
-    coord.close()
+    trained(run, until=2, every=2)
     return run, tmp_path / "run" / "step-000000002"
-
-
-class _Exploit:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
 
 
 def stored_entries(archive: bytes) -> dict[str, bytes]:
@@ -88,7 +77,7 @@ def malicious_record(genuine: bytes, command: str) -> bytes:
     entries = stored_entries(genuine)
     prefix = next(iter(entries)).split("/", 1)[0]
     assert f"{prefix}/data.pkl" in entries, sorted(entries)
-    entries[f"{prefix}/data.pkl"] = pickle.dumps(_Exploit(command), protocol=2)
+    entries[f"{prefix}/data.pkl"] = pickle.dumps(CodeRunningPickle(command), protocol=2)
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for name in sorted(entries, key=lambda n: not n.endswith("/data.pkl")):  # data.pkl first

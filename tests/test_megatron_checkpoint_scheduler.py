@@ -17,8 +17,8 @@ import shutil
 import sys
 
 import pytest
-from multiproc import run_ranks
 from resume.adapters.megatron_schedule import MegatronSchedule, ignored_schedule_arguments, schedule_arguments
+from support.ranks import run_ranks
 
 FLAG = "--use-checkpoint-opt_param-scheduler"
 
@@ -128,7 +128,7 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 def _base_argv(kind: str) -> list[str]:
-    from megatron_training_run import argv
+    from support.megatron_training_run import argv
 
     base = argv("/nonexistent")[1:]
     if kind == "iterations":
@@ -147,7 +147,7 @@ def _megatron_scheduler(argv: list[str]):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.training import get_optimizer_param_scheduler
-    from megatron_support import stub_optimizer
+    from support.megatron import stub_optimizer
 
     saved_argv, sys.argv = sys.argv, ["pretrain_gpt.py", *argv]
     previous = global_vars._GLOBAL_ARGS
@@ -183,7 +183,7 @@ def _megatron_scheduler(argv: list[str]):
     ("linear-weight-decay", ["--train-samples", "800"], ["--train-samples"]),
 ])
 def test_table_matches_megatrons_parser_and_scheduler(kind, change, named):
-    from megatron_support import require_megatron
+    from support.megatron import require_megatron
 
     require_megatron()
     from resume.adapters.megatron_args import import_megatron_arguments
@@ -216,8 +216,8 @@ def test_table_matches_megatrons_parser_and_scheduler(kind, change, named):
 def _restart(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
     import logging
 
-    import megatron_training_run as m
     from resume.adapters.megatron import install
+    from support import megatron_training_run as m
 
     from resume.errors import ContinuityError
 

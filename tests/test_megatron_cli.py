@@ -8,8 +8,8 @@ import os
 import shutil
 
 import pytest
-from megatron_support import _Planted, plant_metadata_pickle
-from test_cli import assert_one_line_error, resume
+from support.checkpoints import CodeRunningPickle, flip_byte, plant_metadata_pickle
+from support.cli import assert_one_line_error, resume
 
 
 # Only the tests on `save` (written by megatron.training) need megatron-core; they are marked
@@ -54,12 +54,7 @@ def test_verify_deep_passes_and_inspect_shows_counters_and_next_batch(save):
 @pytest.mark.megatron
 @pytest.mark.multiprocess
 def test_a_flipped_byte_in_a_shard_fails_verify_naming_the_file(save):
-    shard = os.path.join(save, "iter_0000006", "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(1000)
-        b = f.read(1)
-        f.seek(1000)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(os.path.join(save, "iter_0000006", "__0_0.distcp"), offset=1000)
     assert resume("verify", save).returncode == 0  # sizes still right
     assert_one_line_error(resume("verify", save, "--deep"), 1, "iter_0000006/__0_0.distcp", "checksum")
 
@@ -106,16 +101,15 @@ def test_not_a_megatron_save_or_empty_is_nothing_there(tmp_path):
 
 @pytest.mark.megatron
 @pytest.mark.multiprocess
-def test_planted_metadata_pickle_runs_nothing_and_is_named(save, tmp_path, monkeypatch):
+def test_planted_metadata_pickle_runs_nothing_and_is_named(save, tmp_path):
     marker = tmp_path / "code-ran"
-    monkeypatch.setenv("PLANTED_MARKER", str(marker))
-    plant_metadata_pickle(os.path.join(save, "iter_0000006"))
+    plant_metadata_pickle(os.path.join(save, "iter_0000006"), str(marker), manifest="resume-manifest.json")
     proc = resume("verify", save, "--deep", "--step", "6")
     assert_one_line_error(proc, 1, "iter_0000006/.metadata", "posix.system", "refused")
     assert not marker.exists()
 
 
-def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path, monkeypatch):
+def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path):
     """Megatron's common state is a torch.save blob; ours reads it as data: a planted global
     becomes an inert record, plain values come through."""
     import argparse
@@ -125,8 +119,8 @@ def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path, monkeypatch
     from resume.adapters.megatron_ckpt import Opaque, common_state_from_dict, unpickle_torch_save
 
     marker = tmp_path / "code-ran"
-    monkeypatch.setenv("PLANTED_MARKER", str(marker))
-    args = argparse.Namespace(global_batch_size=8, consumed_train_samples=40, hook=_Planted())
+    args = argparse.Namespace(global_batch_size=8, consumed_train_samples=40,
+                              hook=CodeRunningPickle(f"touch {marker}"))
     buf = io.BytesIO()
     torch.save([{"args": args, "iteration": 5, "checkpoint_version": 3.0,
                  "opt_param_scheduler": {"num_steps": 32}}], buf)

@@ -11,8 +11,8 @@ import os
 import tarfile
 
 import pytest
-from megatron_support import require_megatron
-from test_cli import resume
+from support.cli import resume
+from support.megatron import require_megatron
 
 pytestmark = pytest.mark.megatron
 

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from megatron_support import require_megatron
-from multiproc import run_ranks
+from support.checkpoints import flip_byte
+from support.megatron import require_megatron
+from support.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
 
@@ -19,9 +20,9 @@ SKIPPED = frozenset({4})
 
 
 def _save_tp2(rank: int, world: int, save_dir: str) -> dict:
-    import megatron_workload as w
     from megatron.core import parallel_state
     from resume.adapters.megatron import MegatronRecorder
+    from support import megatron_core_run as w
 
     model = w.setup(tp=2)
     args = w.make_args(tp=2, dp=1)
@@ -38,9 +39,9 @@ def _save_tp2(rank: int, world: int, save_dir: str) -> dict:
 
 
 def _load_tp1(rank: int, world: int, save_dir: str, overrides: dict, scheduler_mode: str) -> dict:
-    import megatron_workload as w
     from megatron.core import parallel_state
     from resume.adapters.megatron import MegatronRecorder
+    from support import megatron_core_run as w
 
     from resume.errors import ContinuityError
 
@@ -142,18 +143,10 @@ def test_changed_global_batch_is_named(tp2_save):
 
 
 def _before_load(save_dir: str, **overrides) -> int | None:
-    import megatron_workload as w
     from resume.adapters.megatron import MegatronRecorder
+    from support import megatron_core_run as w
 
     return MegatronRecorder(save_dir, lease_ttl_s=None).before_load(w.make_args(**overrides))
-
-
-def _flip_a_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_ckpt_step_loads_the_checkpoint_it_names_and_a_missing_one_is_refused(tp2_save):
@@ -176,7 +169,7 @@ def test_a_recorded_checkpoint_whose_files_fail_is_no_fresh_start(tp2_save, tmp_
     save_dir, _ = tp2_save
     copy = str(tmp_path / "save")
     shutil.copytree(save_dir, copy)
-    _flip_a_byte(os.path.join(copy, f"iter_{SAVED_AT:07d}", "__1_0.distcp"))
+    flip_byte(os.path.join(copy, f"iter_{SAVED_AT:07d}", "__1_0.distcp"))
     for pinned in (None, SAVED_AT):
         with pytest.raises(NoValidCheckpointError, match=r"expected a checkpoint whose files verify, actual "
                            r"none \(iter_0000007: .*__1_0.distcp: checksum: expected"):

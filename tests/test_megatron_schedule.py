@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from megatron_support import require_megatron, stub_optimizer
 from resume.adapters.megatron_args import REFERENCE
 from resume.adapters.megatron_schedule import MegatronSchedule
+from support.megatron import require_megatron, stub_optimizer
 
 GBS = REFERENCE.global_batch
 # Updates -> LR of the reference schedule, as Megatron-Core 0.19.2 computes it (notes/megatron.md).

@@ -7,15 +7,16 @@ import json
 import os
 
 import pytest
-from multiproc import run_ranks
+from support.checkpoints import flip_byte, plant_metadata_pickle
+from support.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
 
 
 
 def _resume(rank: int, world: int, save_dir: str, extra: list[str]) -> dict:
-    import megatron_training_run as m
     from resume.adapters.megatron import install
+    from support import megatron_training_run as m
 
     from resume.errors import ContinuityError, ResumeError
 
@@ -94,30 +95,22 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(trained, tmp_p
     save_dir, _ = trained
     copy = str(tmp_path / "save")
     shutil.copytree(save_dir, copy)
-    shard = os.path.join(copy, "iter_0000006", "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(os.path.join(copy, "iter_0000006", "__0_0.distcp"))
     out = run_ranks(_resume, 1, copy, [])[0]
     assert "error" not in out, out
     assert out["iteration"] == 4 and out["consumed"] == 16 + 4
     assert out["ckpt_step_after"] in (None, 0)  # the choice does not outlive the load
 
 
-def test_planted_pickle_is_refused_before_megatron_unpickles_it(trained, tmp_path, monkeypatch):
+def test_planted_pickle_is_refused_before_megatron_unpickles_it(trained, tmp_path):
     """Megatron reads .metadata with plain pickle; resume reads it first, with an allow-list."""
     import shutil
-
-    from megatron_support import plant_metadata_pickle
 
     save_dir, _ = trained
     copy = str(tmp_path / "save")
     shutil.copytree(save_dir, copy)
     marker = tmp_path / "code-ran"
-    monkeypatch.setenv("PLANTED_MARKER", str(marker))
-    plant_metadata_pickle(os.path.join(copy, "iter_0000006"))
+    plant_metadata_pickle(os.path.join(copy, "iter_0000006"), str(marker), manifest="resume-manifest.json")
     out = run_ranks(_resume, 1, copy, [])[0]
     assert out["error"]["type"] == "UnsafeCheckpointError", out
     assert "posix.system" in out["error"]["message"] and "refused" in out["error"]["message"]
@@ -130,9 +123,9 @@ def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict
     import os
     import signal
 
-    import megatron_training_run as m
     from resume.adapters.megatron import install
     from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from support import megatron_training_run as m
 
     from resume.control import post_save_request
     from resume.run import Run

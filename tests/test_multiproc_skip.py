@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiproc import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 

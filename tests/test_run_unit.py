@@ -1,8 +1,8 @@
 """Unit tests for resume.manifest and resume.run: the commit check, discovery, retention.
 
 Checkpoints are built by hand (files + a manifest written through Run), and
-the fault-injection helpers below tear or corrupt them the ways a crash or a
-bad disk does.
+the damage helpers of support.checkpoints tear or corrupt them the ways a crash
+or a bad disk does.
 """
 
 from __future__ import annotations
@@ -10,6 +10,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.checkpoints import (
+    DEFAULT_FILES,
+    flip_stored_byte,
+    make_manifest,
+    state_at,
+    truncate,
+    write_checkpoint,
+    write_torn_checkpoint,
+)
 
 from resume.checksum import checksum_bytes
 from resume.errors import (
@@ -19,66 +28,15 @@ from resume.errors import (
     RunNotFoundError,
     UsageError,
 )
-from resume.manifest import SCHEMA, SCHEMA_VERSION, FileEntry, Manifest, check_relative_path
+from resume.manifest import SCHEMA, SCHEMA_VERSION, Manifest, check_relative_path
 from resume.run import LATEST, KeepPolicy, Run, parse_step_dirname, step_dirname
-from resume.state import TrainState
 from resume.storage import LocalStorage
-
-GLOBAL_BATCH = 4
-DEFAULT_FILES = {
-    "model/shard-0.bin": b"weights-of-rank-0",
-    "model/shard-1.bin": b"weights-of-rank-1",
-    "rank-0.json": b'{"rank": 0}',
-}
-
 
 # -- helpers -----------------------------------------------------------------------------------
 
 
 def make_run(tmp_path) -> Run:
     return Run.open(str(tmp_path / "run"), create=True)
-
-
-def state_at(step: int) -> TrainState:
-    return TrainState(iteration=step, samples_read=step * GLOBAL_BATCH,
-                      updates_successful=step, updates_skipped=0)
-
-
-def make_manifest(step: int, files: dict[str, bytes] | None = None, **kwargs) -> Manifest:
-    files = DEFAULT_FILES if files is None else files
-    return Manifest(step=step, train_state=state_at(step),
-                    files={p: FileEntry(len(d), checksum_bytes(d)) for p, d in files.items()},
-                    **kwargs)
-
-
-def write_checkpoint(run: Run, step: int, files: dict[str, bytes] | None = None, *,
-                     commit: bool = True) -> Manifest:
-    """Write the step's files, then (``commit``) its manifest, as the commit protocol does."""
-    files = DEFAULT_FILES if files is None else files
-    for rel, data in files.items():
-        run.storage.write_bytes_atomic(run.step_path(step, rel), data)
-    manifest = make_manifest(step, files)
-    if commit:
-        run.write_manifest(manifest)
-    return manifest
-
-
-def write_torn_checkpoint(run: Run, step: int) -> None:
-    """A crash before the manifest: the files are there, the commit record is not."""
-    write_checkpoint(run, step, commit=False)
-
-
-def flip_byte(run: Run, step: int, rel: str, offset: int = 0) -> None:
-    """Silent corruption: same size, one byte different."""
-    path = run.step_path(step, rel)
-    data = bytearray(run.storage.read_bytes(path))
-    data[offset] ^= 0xFF
-    run.storage.write_bytes_atomic(path, bytes(data))
-
-
-def truncate(run: Run, step: int, rel: str, keep: int) -> None:
-    path = run.step_path(step, rel)
-    run.storage.write_bytes_atomic(path, run.storage.read_bytes(path)[:keep])
 
 
 def valid_body(**overrides) -> dict:
@@ -309,7 +267,7 @@ def test_every_bad_file_is_listed_not_just_the_first(tmp_path):
 def test_deep_check_catches_flipped_byte_that_keeps_the_size(tmp_path):
     run = make_run(tmp_path)
     written = write_checkpoint(run, 10)
-    flip_byte(run, 10, "model/shard-1.bin", offset=3)
+    flip_stored_byte(run, 10, "model/shard-1.bin", offset=3)
     shallow = run.check(10, deep=False)
     assert shallow.committed
     deep = run.check(10, deep=True)
@@ -374,7 +332,7 @@ def test_torn_and_corrupt_newest_fall_back_to_previous_with_deep_check(tmp_path)
     run = make_run(tmp_path)
     write_checkpoint(run, 10)
     write_checkpoint(run, 20)
-    flip_byte(run, 20, "rank-0.json")
+    flip_stored_byte(run, 20, "rank-0.json")
     write_torn_checkpoint(run, 30)
     manifest, rejected = run.find_latest(deep=True)
     assert manifest.step == 10

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from multiproc import run_ranks
-from s3_support import FaultProxy, S3Server, s3_env
+from support.cli import resume
+from support.ranks import run_ranks
+from support.s3 import FaultProxy, S3Server, s3_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,7 +17,7 @@ RUN = "s3://ckpt/run"
 
 
 def _train_and_save(rank: int, world: int) -> dict:
-    from workloads import Setup, build, moment_digests, param_digests, train
+    from support.workloads import Setup, build, moment_digests, param_digests, train
 
     coord, parts = build(rank, world, RUN, Setup(every=3))
     coord.restore()
@@ -29,7 +28,7 @@ def _train_and_save(rank: int, world: int) -> dict:
 
 
 def _restore(rank: int, world: int) -> dict:
-    from workloads import Setup, build, moment_digests, param_digests
+    from support.workloads import Setup, build, moment_digests, param_digests
 
     coord, parts = build(rank, world, RUN, Setup(every=3))
     coord.restore()  # the continuity check runs here
@@ -65,17 +64,14 @@ def test_save_and_restore_survive_faults_and_a_server_restart(s3):
         assert after["params"] == before["params"]
         assert after["moments"] == before["moments"]
     # Every byte as written: a deep verify through the faulty proxy, checksums against the manifest.
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "verify", RUN, "--deep", "--json"],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = resume("verify", RUN, "--deep", "--json", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [s["status"] for s in json.loads(proc.stdout)["steps"]] == ["committed", "committed"]
     assert proxy.counts["slowdown"] > 0 and proxy.counts["reset"] > 0, proxy.counts
 
 
 def test_missing_bucket_is_one_line_exit_3(s3):
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "ls", "s3://no-such-bucket/run"],
-                          capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ})
+    proc = resume("ls", "s3://no-such-bucket/run", timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "no-such-bucket" in proc.stderr
 
@@ -83,20 +79,17 @@ def test_missing_bucket_is_one_line_exit_3(s3):
 def test_wrong_or_missing_credentials_are_one_line_exit_3_without_retrying(s3, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     started = __import__("time").monotonic()
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "ls", RUN], capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = resume("ls", RUN, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and RUN in proc.stderr and "access" in proc.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "save", RUN, "--timeout", "5"],
-                          capture_output=True, text=True, timeout=120, check=False, env=env)
+    proc = resume("save", RUN, "--timeout", "5", timeout=120, env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "credentials: expected valid ones" in proc.stderr and proc.stderr.count("\n") == 1
     assert __import__("time").monotonic() - started < 60  # permanent: not retried with back-off
 
 
 def test_unknown_url_scheme_names_the_package_to_install(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "ls", "gs://bucket/run"], capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = resume("ls", "gs://bucket/run", timeout=120)
     assert proc.returncode == 2 and "pip install gcsfs" in proc.stderr, proc.stderr

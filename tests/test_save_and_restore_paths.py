@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 from resume.adapters import dcp_safe, torch_native
-from workloads import Setup, build, train
+from support.workloads import Setup, build, train, trained
 
 import resume.manifest
 from resume import Run
@@ -45,10 +45,7 @@ def test_a_save_crosses_at_most_eight_modules_from_update_to_the_manifest(run_di
 
 
 def test_a_restore_parses_the_manifest_and_unpickles_the_dcp_metadata_once(run_dir, monkeypatch):
-    coord, parts = build(0, 1, run_dir, Setup(every=2))
-    coord.restore()
-    train(coord, parts, until=4)
-    coord.close()
+    trained(run_dir, until=4, every=2)
     counts = {"from_json": 0, "metadata": 0, "metadata_reads": 0}
     from_json = resume.manifest.Manifest.from_json.__func__
     unpickle = dcp_safe.restricted_load_metadata
@@ -78,10 +75,7 @@ def test_a_restore_parses_the_manifest_and_unpickles_the_dcp_metadata_once(run_d
 
 @pytest.mark.parametrize("newest_torn", [False, True])
 def test_discovery_reads_no_manifest_older_than_the_one_it_takes(run_dir, monkeypatch, newest_torn):
-    coord, parts = build(0, 1, run_dir, Setup(every=1, keep=5))
-    coord.restore()
-    train(coord, parts, until=5)
-    coord.close()
+    trained(run_dir, until=5, every=1, keep=5)
     run = Run.open(run_dir)
     if newest_torn:
         run.storage.delete(run.manifest_path(5))

@@ -1,5 +1,5 @@
 """The requeue hook on a real Slurm (slurmctld + 4 slurmd on loopback, started by
-tests/slurm/cluster.sh; .ci/run installs the packages). The drill's trainer is
+tests/support/slurm_cluster.sh; .ci/run installs the packages). The drill's trainer is
 submitted through `resume slurm template` and supervised by `resume slurm run`.
 
 Skipped only where there is no Slurm at all (sbatch missing); CI installs it.
@@ -16,13 +16,12 @@ import sys
 import time
 
 import pytest
-
 from resume.drill.runner import DrillConfig, launch_ranks, skipped_iterations
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 
 HERE = os.path.dirname(__file__)
-CLUSTER_SH = os.path.join(HERE, "slurm", "cluster.sh")
+CLUSTER_SH = os.path.join(HERE, "support", "slurm_cluster.sh")
 ITERATIONS, EVERY = 40, 5
 
 
@@ -38,7 +37,7 @@ def cluster():
     if shutil.which("sbatch") is None:
         if os.environ.get("CI") == "true":  # CI installs Slurm: its absence is a failure there
             pytest.fail("CI: expected Slurm installed by .ci/run, actual no sbatch on PATH")
-        pytest.skip("no Slurm on this machine (bash tests/slurm/cluster.sh install)")
+        pytest.skip("no Slurm on this machine (bash tests/support/slurm_cluster.sh install)")
     runtime = os.environ.get("RESUME_TEST_SLURM_DIR", "/tmp/rs")
     out = sh("bash", CLUSTER_SH, "up", runtime, timeout=180)
     conf = out.strip().splitlines()[-1].split("=", 1)[1]

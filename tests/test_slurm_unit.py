@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -24,6 +23,7 @@ from resume.cluster.slurm import (
     parse_nodelist,
 )
 from resume.cluster.template import SbatchTemplate
+from support.cli import resume
 
 from resume.checksum import checksum_bytes
 from resume.control import answer_request, pending_requests
@@ -346,9 +346,8 @@ def test_missing_slurm_commands_are_exit_6():
 
 def test_slurm_run_outside_an_allocation_exits_7_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "slurm", "run", "--run", str(tmp_path),
-                           "--global-batch", "8", "--", "true"], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = resume("slurm", "run", "--run", str(tmp_path), "--global-batch", "8", "--", "true",
+                  env=env, timeout=60)
     assert proc.returncode == 7
     assert proc.stderr.strip().startswith("resume: error: SLURM_JOB_ID") and "\n" not in proc.stderr.strip()
 
@@ -558,9 +557,8 @@ def test_slurm_template_command_writes_accept_change_and_refuses_a_bad_name(tmp_
 
 def test_slurm_run_with_a_bad_accept_change_exits_2_before_looking_for_slurm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, "-m", "resume.cli", "slurm", "run", "--run", str(tmp_path),
-                           "--global-batch", "8", "--accept-change", "a b", "--", "true"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = resume("slurm", "run", "--run", str(tmp_path), "--global-batch", "8", "--accept-change", "a b",
+                  "--", "true", env=env, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("resume: error: slurm run: --accept-change")
     assert "'a b'" in proc.stderr and "\n" not in proc.stderr.strip()

@@ -12,8 +12,8 @@ uninterrupted run's. ``benchmarks/soak.py`` runs the same loop for longer.
 from __future__ import annotations
 
 import pytest
-from crash_harness import soak
-from s3_support import FaultProxy, S3Server, s3_env
+from support.crash_jobs import soak
+from support.s3 import FaultProxy, S3Server, s3_env
 
 pytestmark = pytest.mark.multiprocess
 

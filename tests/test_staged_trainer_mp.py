@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pathlib
 
 import pytest
-import staged_trainer as st
+from support import staged_trainer as st
 
 pytestmark = pytest.mark.multiprocess
 
@@ -84,7 +85,7 @@ def test_killed_around_the_untie_ends_bitwise_like_an_uninterrupted_run(tmp_path
     run, out1, out2 = str(tmp_path / "run"), str(tmp_path / "job1"), str(tmp_path / "job2")
     assert launch(run, out1, kill_at=kill_at) == [-9] * WORLD
     codes = launch(run, out2)
-    logs = [open(os.path.join(out2, f"log-{r}.txt")).read() for r in range(WORLD)]
+    logs = [pathlib.Path(out2, f"log-{r}.txt").read_text() for r in range(WORLD)]
     assert codes == [0] * WORLD, logs
     for rank in range(WORLD):
         ref_trace, ref_final = reference[rank]
@@ -125,7 +126,7 @@ def test_a_stage_one_checkpoint_restored_into_stage_zero_code_names_the_structur
 
 
 def _restore_without_peek(run: str) -> dict:
-    from multiproc import run_ranks
+    from support.ranks import run_ranks
 
     return run_ranks(_restore_stage_zero, WORLD, run)[0]
 

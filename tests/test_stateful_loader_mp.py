@@ -31,7 +31,6 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 from resume.adapters.data import (
     GlobalPositionSampler,
     IndexedDataset,
@@ -40,12 +39,14 @@ from resume.adapters.data import (
     loader_state,
 )
 from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
+from support.ranks import run_ranks
+from support.workloads import next_token_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resume import ContinuityError, Coordinator, ResumeError, UsageError
-from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 
 pytestmark = [pytest.mark.multiprocess,
               # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, in every loader
@@ -92,10 +93,7 @@ def train(coord: Coordinator, parts, until: int, *, die_at: int | None = None, l
     while coord.iteration < until:
         for batch in coord.batches():
             iteration = coord.iteration + 1
-            tokens = batch["tokens"]
-            logits = ddp(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     tokens[:, 1:].reshape(-1))
+            loss = next_token_loss(ddp, batch["tokens"])
             loss.backward()
             if iteration == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-iteration: gradients there, no update

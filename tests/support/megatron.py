@@ -23,7 +23,7 @@ def alias_typing_override() -> None:
     run (notes/megatron.md). This test-only shim stands in for the newer Python; the
     product (``resume.adapters.megatron``) patches nothing. It is applied when this module
     is imported, so every process that imports the tests' Megatron helpers
-    (``megatron_training_run``, ``megatron_workload``, spawned ranks too) has it before
+    (``support.megatron_training_run``, ``support.megatron_core_run``, spawned ranks too) has it before
     ``install()`` imports ``megatron.training``.
     """
     if not hasattr(typing, "override"):
@@ -85,29 +85,3 @@ def stub_optimizer(n_groups: int = 2) -> types.SimpleNamespace:
     """What OptimizerParamScheduler needs of an optimizer: param groups (Megatron's optimizer
     itself does not build on CPU, notes/megatron.md)."""
     return types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0} for _ in range(n_groups)])
-
-
-class _Planted:
-    """A pickle whose loading would run a shell command (touching $PLANTED_MARKER)."""
-
-    def __reduce__(self):
-        return (os.system, (f"touch {os.environ['PLANTED_MARKER']}",))
-
-
-def plant_metadata_pickle(step_dir: str) -> None:
-    """Replace ``.metadata`` with a code-running pickle, as an attacker who also rewrites our
-    manifest would (sizes and checksums agree again). Set PLANTED_MARKER first."""
-    import json
-    import pickle
-
-    from resume.checksum import checksum_bytes
-
-    data = pickle.dumps(_Planted())
-    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
-        f.write(data)
-    path = os.path.join(step_dir, "resume-manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
-    with open(path, "w") as f:
-        json.dump(manifest, f)

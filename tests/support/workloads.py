@@ -1,9 +1,12 @@
-"""Training set-ups the multi-process tests run (importable by spawned processes)."""
+"""The jobs most tests train: a tiny GPT through a Coordinator, in one process or on spawned gloo
+ranks (which import this module by name), and a 12 MiB job for the file-system tests."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,10 +14,10 @@ import numpy as np
 import torch
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import ContinuityError, Coordinator, ResumeError
-from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 
 CFG = GPTConfig(vocab=32, seq_len=8, width=16, layers=1, heads=2)
 GLOBAL_BATCH = 4
@@ -86,16 +89,25 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
 
 
+def with_coordinator_options(monkeypatch, **options) -> None:
+    """For this test, ``build`` passes ``options`` to the Coordinator too."""
+    monkeypatch.setattr(sys.modules[__name__], "Coordinator", functools.partial(Coordinator, **options))
+
+
+def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each token predicted from the ones before it."""
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             tokens[:, 1:].reshape(-1))
+
+
 def train(coord: Coordinator, parts: dict, until: int, *, skip: set[int] = frozenset(),
           step_scheduler_on_skip: bool = False) -> list[dict]:
     trace = []
     ddp, opt, sched = parts["ddp"], parts["opt"], parts["sched"]
     for batch in coord.batches():
         iteration = coord.iteration + 1
-        tokens = batch["tokens"]
-        logits = ddp(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(ddp, batch["tokens"])
         loss.backward()
         applied = iteration not in skip
         lr = opt.param_groups[0]["lr"]
@@ -111,6 +123,43 @@ def train(coord: Coordinator, parts: dict, until: int, *, skip: set[int] = froze
         if coord.iteration >= until:
             break
     return trace
+
+
+def build_12mib_job(run: str, **options) -> tuple[Coordinator, torch.nn.Module, torch.optim.Optimizer]:
+    """12 MiB per checkpoint: 1024 x 1024 fp32 weights and two AdamW moments."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dataset = SyntheticTokens(num_samples=100, cfg=CFG)
+    data = StatefulLoader(dataset, GlobalPositionSampler(len(dataset), 1, rank=0, world_size=1, seed=0))
+    coord = Coordinator(run, NativeTorchAdapter(model, opt, None, data), global_batch=1, every=2,
+                        handle_signals=False, **options)
+    return coord, model, opt
+
+
+def train_12mib_job(coord: Coordinator, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int) -> None:
+    for _ in coord.batches():
+        model(torch.ones(1, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        coord.update()
+        if coord.iteration >= until:
+            return
+
+
+def started(run: str, **setup) -> tuple[Coordinator, dict]:
+    """One process, no process group: the job of ``Setup(**setup)``, built and restored."""
+    coord, parts = build(0, 1, run, Setup(**setup))
+    coord.restore()
+    return coord, parts
+
+
+def trained(run: str, until: int, **setup) -> Coordinator:
+    """One process: the job of ``Setup(**setup)`` restored, trained to ``until``, closed."""
+    coord, parts = started(run, **setup)
+    train(coord, parts, until=until)
+    coord.close()
+    return coord
 
 
 def restore_outcome(coord: Coordinator) -> str:

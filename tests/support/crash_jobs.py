@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from workloads import Setup, build, moment_digests, param_digests, train
 
 from resume import faults
 from resume.run import Run
+from support.workloads import Setup, build, moment_digests, param_digests, train
 
 EVERY = 2
 UNTIL = 8
@@ -97,7 +97,7 @@ def _read(out: str, name: str) -> dict | None:
 
 def context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["crash_harness"])
+    ctx.set_forkserver_preload(["support.crash_jobs"])
     return ctx
 
 

@@ -1,7 +1,7 @@
 """megatron.training at world size 1 on CPU: Megatron's own arguments, model, optimizer,
 scheduler, save_checkpoint and load_checkpoint, with resume installed.
 
-Test-only CUDA stand-ins (only when CUDA is absent), beyond megatron_support.cpu_patches:
+Test-only CUDA stand-ins (only when CUDA is absent), beyond support.megatron.cpu_patches:
 - megatron/training/checkpointing.py read_metadata all-reduces the tracker's
   iteration in a tensor built with device='cuda';
 - megatron/core/optimizer/optimizer.py FP32Optimizer.__init__ builds its loss
@@ -21,7 +21,8 @@ import os
 import sys
 
 import torch
-from megatron_support import cpu_patches, require_megatron
+
+from support.megatron import cpu_patches, require_megatron
 
 GBS, MBS, SEQ, VOCAB = 4, 2, 16, 128
 

@@ -13,7 +13,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from megatron_support import cpu_patches, require_megatron, stub_optimizer
+
+from support.megatron import cpu_patches, require_megatron, stub_optimizer
 
 GBS = 16
 SCHEDULE = {"lr": 8e-5, "min_lr": 8e-6, "lr_warmup_samples": 64, "lr_decay_samples": 1600}

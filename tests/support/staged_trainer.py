@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.model import SyntheticTokens
 
 from resume import Coordinator
-from resume.drill.model import SyntheticTokens
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 GLOBAL_BATCH = 4
