@@ -11,6 +11,18 @@ def run_dir(tmp_path):
     return str(tmp_path / "run")
 
 
+@pytest.fixture
+def faults_disarmed():
+    """No fault left armed, nor a rank and step set, for the tests after this one (resume.faults
+    is process-wide state)."""
+    from resume import faults
+
+    faults.disarm()
+    yield
+    faults.disarm()
+    faults.set_context(rank=0, step=None)
+
+
 @pytest.fixture(scope="session")
 def megatron_save(tmp_path_factory):
     """A Megatron save directory written by megatron.training's own save_checkpoint with resume
