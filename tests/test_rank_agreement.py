@@ -1,0 +1,117 @@
+"""resume.collective: every rank raises the same error, built from a record (never parsed from a
+message). The exchange is scripted here, one rank at a time; the multi-process tests run the
+same code over gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from resume.collective import Collective, Failure, agreed_error, rebuild
+from resume.errors import (
+    ContinuityError,
+    CorruptCheckpointError,
+    LeaseLostError,
+    ResumeError,
+    SaveFailedError,
+    StorageError,
+    UsageError,
+)
+
+
+class ScriptedComm:
+    """Rank ``rank`` of ``world``; what the other ranks send is given up front."""
+
+    def __init__(self, rank: int, world: int, *, others=None, from_rank0=None) -> None:
+        self.rank, self.world_size = rank, world
+        self.others = others or {}
+        self.from_rank0 = from_rank0
+
+    def all_gather_object(self, obj):
+        return [obj if r == self.rank else self.others[r] for r in range(self.world_size)]
+
+    def broadcast_object(self, obj, src=0):
+        return obj if self.rank == 0 else self.from_rank0
+
+
+def failure_report(error: BaseException, rank: int) -> tuple:
+    return ("error", Failure.of(error, rank))
+
+
+def test_a_continuity_error_travels_with_its_fields_not_its_message():
+    error = ContinuityError("lr_ahead[+1]", [0.1, 0.2], [0.1, 0.3], "a hint: with colons: here")
+    again = rebuild(Failure.of(error, 3))
+    assert type(again) is ContinuityError
+    assert (again.item, again.expected, again.actual, again.hint) == (error.item, error.expected, error.actual,
+                                                                       error.hint)
+    assert str(again) == str(error)
+
+
+@pytest.mark.parametrize("error, cls", [
+    (CorruptCheckpointError("x: size: expected 1, actual 2"), CorruptCheckpointError),
+    (LeaseLostError("lease.json: taken over"), LeaseLostError),
+    (FileNotFoundError(2, "gone"), StorageError),        # an OSError of the standard library
+    (ValueError("not ours"), ResumeError),               # anything else: ours, with its message
+    (KeyError("k"), ResumeError),
+])
+def test_errors_are_built_again_as_their_class_or_the_nearest_of_ours(error, cls):
+    again = rebuild(Failure.of(error, 1))
+    assert type(again) is cls
+    assert str(error) in str(again)
+
+
+def test_a_name_that_is_not_one_of_our_classes_never_picks_another_class():
+    # A record names a class; only resume.errors' classes and builtin names are honoured.
+    assert type(rebuild(Failure(0, "Coordinator", {"message": "m"}))) is ResumeError
+    assert type(rebuild(Failure(0, "SystemExit", {"message": "m"}))) is ResumeError
+
+
+def test_each_raises_the_other_ranks_error_on_a_rank_that_succeeded():
+    others = {1: failure_report(CorruptCheckpointError("rank-00001.json: bad"), 1)}
+    coll = Collective(ScriptedComm(0, 2, others=others))
+    with pytest.raises(CorruptCheckpointError, match=r"restore of step-1 failed on 1 of 2 ranks: rank 1: "
+                                                     r"CorruptCheckpointError: rank-00001.json: bad"):
+        coll.each(lambda: {"fine": True}, "restore of step-1")
+
+
+def test_each_in_a_save_is_a_save_failure_naming_every_failed_rank():
+    others = {1: failure_report(OSError(28, "No space left on device"), 1), 2: ("ok", {})}
+    coll = Collective(ScriptedComm(0, 3, others=others))
+    with pytest.raises(SaveFailedError) as raised:
+        coll.each(dict, "/run/step-000000004", saving=True)
+    assert "failed on 1 of 3 ranks, nothing committed: rank 1: OSError" in str(raised.value)
+
+
+def test_the_same_error_on_every_rank_stays_what_it_is():
+    error = UsageError("global_batch: expected 8, actual 4")
+    others = {1: failure_report(UsageError(str(error)), 1)}
+    coll = Collective(ScriptedComm(0, 2, others=others))
+    with pytest.raises(UsageError) as raised:
+        coll.each(lambda: (_ for _ in ()).throw(error), "config check")
+    assert str(raised.value) == str(error)
+
+
+def test_a_continuity_error_on_one_rank_is_that_continuity_error_on_all():
+    error = ContinuityError("rng (rank 1)", "abc", "def", "re-seeded")
+    coll = Collective(ScriptedComm(0, 2, others={1: failure_report(error, 1)}))
+    with pytest.raises(ContinuityError) as raised:
+        coll.each(lambda: None, "continuity check")
+    assert raised.value.item == "rng (rank 1)" and raised.value.expected == "abc"
+
+
+def test_on_rank0_gives_every_rank_the_value_or_the_error():
+    assert Collective(ScriptedComm(0, 2)).on_rank0(lambda: [1, 2]) == [1, 2]
+    assert Collective(ScriptedComm(1, 2, from_rank0=("ok", [1, 2]))).on_rank0(lambda: 1 / 0) == [1, 2]
+    failed = ("error", Failure.of(ContinuityError("config.seed", 1, 2), 0))
+    with pytest.raises(ContinuityError) as raised:
+        Collective(ScriptedComm(1, 2, from_rank0=failed)).on_rank0(lambda: None)
+    assert raised.value.item == "config.seed"
+    original = OSError(5, "Input/output error")
+    with pytest.raises(OSError) as on_rank0:  # rank 0 raises its own error, with its traceback
+        Collective(ScriptedComm(0, 2)).on_rank0(lambda: (_ for _ in ()).throw(original))
+    assert on_rank0.value is original
+
+
+def test_agreed_error_keeps_the_first_failures_class_when_ranks_differ():
+    failures = [Failure.of(StorageError("EIO"), 0), Failure.of(CorruptCheckpointError("bad"), 2)]
+    error = agreed_error(failures, 4, "checksum verification")
+    assert type(error) is StorageError and "failed on 2 of 4 ranks" in str(error)
