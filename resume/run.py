@@ -44,7 +44,7 @@ from .errors import (
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
 from .state import TrainState
-from .storage import Storage, join, open_storage
+from .storage import MANIFEST_CAP, SMALL_FILE_CAP, Storage, join, open_storage
 
 __all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
            "parse_step_dirname", "register_layout", "step_dirname"]
@@ -233,7 +233,7 @@ class Run:
         path = self.manifest_path(step)
         source = self.storage.url(path)
         try:
-            text = self.storage.read_bytes(path)
+            text = self.storage.read_bytes(path, limit=MANIFEST_CAP)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{source}: expected a manifest, actual missing "
                                           "(step not committed)") from e
@@ -439,7 +439,7 @@ class Run:
         """The step the layout's pointer names: our LATEST, or the framework's own (a hint
         either way)."""
         try:
-            return int(self.storage.read_bytes(self.layout.pointer).decode().strip())
+            return int(self.storage.read_bytes(self.layout.pointer, limit=SMALL_FILE_CAP).decode().strip())
         except (FileNotFoundError, ValueError):
             return None
 
@@ -502,7 +502,7 @@ class Run:
 
     def read_info(self) -> dict | None:
         try:
-            text = self.storage.read_bytes(RUN_INFO)
+            text = self.storage.read_bytes(RUN_INFO, limit=SMALL_FILE_CAP)
         except FileNotFoundError:
             return None
         source = self.storage.url(RUN_INFO)

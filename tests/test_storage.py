@@ -132,7 +132,7 @@ def test_local_failed_atomic_write_keeps_old_content_and_removes_temp(tmp_path, 
     storage = LocalStorage(str(tmp_path))
     storage.write_bytes_atomic("f", b"old")
 
-    def broken_replace(src, dst):
+    def broken_replace(src, dst, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)
