@@ -106,7 +106,8 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
     """Ask a running job to checkpoint at its next iteration boundary; wait for the commit.
 
     Exits 0 with the committed step, 1 if the save failed, 4 on timeout (the
-    request is then withdrawn), 3 if RUN does not exist.
+    request is then withdrawn), 3 if RUN does not exist. An answer that is not the job's
+    for this request, or names a step that is not committed, is ignored with a warning.
     """
     from .control import post_save_request, wait_for_answer
 
@@ -120,7 +121,9 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
                        err=True, nl=False)
 
     try:
-        step = wait_for_answer(run, request, timeout=timeout, on_wait=on_wait)
+        # An answer counts only for a step the run holds committed (one may be forged).
+        step = wait_for_answer(run, request, timeout=timeout, on_wait=on_wait,
+                               check=lambda step: Run.open(run_url).check(step))
     finally:
         if show:
             click.echo("", err=True)
