@@ -477,3 +477,12 @@ def test_a_running_job_with_a_fifo_in_control_still_saves_on_request_and_on_sigt
     assert "Traceback" not in errors
     for name in ("x.request", "zero.request", "deep.request", "save-1-no.request"):
         assert len([line for line in errors.splitlines() if name in line]) <= 1, errors  # not at every poll
+
+
+def test_a_coordinator_with_a_ttl_of_1e300_is_a_usage_error(run_dir, monkeypatch):
+    from support.workloads import Setup, build, with_coordinator_options
+
+    with_coordinator_options(monkeypatch, lease_ttl_s=1e300)
+    with pytest.raises(UsageError, match="lease ttl"):
+        build(0, 1, run_dir, Setup(every=2))
+    assert not os.path.exists(os.path.join(run_dir, LEASE_NAME))
