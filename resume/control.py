@@ -128,8 +128,8 @@ def read_request(run: Run, name: str) -> SaveRequest:
     """The request in ``control/NAME``; BadControlFile when its name or body is not one."""
     request_id = name.removesuffix(REQUEST_SUFFIX)
     if not name.endswith(REQUEST_SUFFIX) or not is_request_id(request_id):
-        raise BadControlFile(f"{run.storage.url(join(CONTROL, name[:120]))}: name: expected "
-                             f"<id>{REQUEST_SUFFIX}, the id of at most 100 letters, digits, '-' or '_'")
+        raise BadControlFile(f"{run.storage.url(CONTROL)}: {name[:120]!a}: name: expected <id>"
+                             f"{REQUEST_SUFFIX}, the id of at most 100 letters, digits, '-' or '_'")
     body = _read_object(run, join(CONTROL, name), _REQUEST_FIELDS, TEXT_MAX)
     return SaveRequest(request_id, body.get("stop", False), body.get("reason", ""))
 
