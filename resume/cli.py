@@ -31,12 +31,15 @@ from .errors import (
     EXIT_PROBLEM,
     CheckpointNotFoundError,
     ResumeError,
+    UnsafePathError,
     UsageError,
 )
 from .lease import read_holder
 from .manifest import Manifest
 from .run import CheckResult, Run
 from .state import TrainState
+from .storage import SMALL_FILE_CAP
+from .text import short
 
 __all__ = ["cli", "main"]
 
@@ -177,7 +180,8 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
         return []
     path = run.step_path(result.step, ".metadata")
     try:
-        restricted_load_metadata(run.storage.read_bytes(path), source=run.storage.url(path))
+        data = run.storage.read_bytes(path, limit=result.manifest.files[".metadata"].size)
+        restricted_load_metadata(data, source=run.storage.url(path))
     except ResumeError as e:
         return [str(e)]
     return []
@@ -324,13 +328,16 @@ def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], l
     assert name is not None
     source = run.storage.url(name)
     try:
-        text = run.storage.read_bytes(name).decode(errors="replace").strip()
+        # Capped and never through a link: a LATEST linked to a secret is refused, not quoted.
+        text = run.storage.read_bytes(name, limit=SMALL_FILE_CAP).decode(errors="replace").strip()
     except FileNotFoundError:
         return [], []
+    except UnsafePathError as e:
+        return [str(e)], []
     except OSError as e:
-        return [f"{source}: expected a readable file, actual {type(e).__name__}: {e}"], []
+        return [f"{source}: expected a readable file, actual {type(e).__name__}: {short(str(e))}"], []
     if not (text.isascii() and text.isdigit()):
-        return [f"{source}: expected a step number, actual {text!r:.60}"], []
+        return [f"{source}: expected a step number, actual {short(text, 60)}"], []
     latest = int(text)
     named = run.dirname(latest)
     expected = f"{source}: names {named}: expected a committed checkpoint, actual"

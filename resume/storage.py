@@ -165,20 +165,21 @@ class LocalStorage:
             child = os.open(part, _DIR_FLAGS, dir_fd=fd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                self._refuse_link(fd, part, prefix)
+                self._refuse_link(fd, part, prefix, "a directory")
             raise
         finally:
             os.close(fd)
         return child
 
-    def _refuse_link(self, fd: int, name: str, path: str) -> None:
+    def _refuse_link(self, fd: int, name: str, path: str, expected: str) -> None:
+        """UnsafePathError if ``name`` (under ``fd``) is a symbolic link; else nothing."""
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
             return
         if stat.S_ISLNK(st.st_mode):
-            raise UnsafePathError(f"{self.url(path)}: expected a regular file or directory, actual a "
-                                  "symbolic link (not followed)")
+            raise UnsafePathError(f"{self.url(path)}: expected {expected}, actual a symbolic link "
+                                  "(not followed)")
 
     def _lstat(self, path: str) -> os.stat_result:
         """The entry at ``path`` itself (a link is a link); UnsafePathError for a link on the way."""
@@ -198,7 +199,7 @@ class LocalStorage:
                 f = os.open(name, _FILE_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    self._refuse_link(fd, name, path)
+                    self._refuse_link(fd, name, path, "a regular file")
                 raise
         finally:
             os.close(fd)
@@ -242,7 +243,7 @@ class LocalStorage:
                 d = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    self._refuse_link(fd, name, path)
+                    self._refuse_link(fd, name, path, "a directory")
                 raise
         finally:
             os.close(fd)
