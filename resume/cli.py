@@ -171,7 +171,8 @@ def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
 
 
 def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
-    """Deep: DCP's pickled .metadata must parse with the restricted unpickler."""
+    """Deep: DCP's pickled .metadata must parse with the restricted unpickler and hold what DCP
+    puts there, every item inside the files the manifest lists."""
     if result.manifest is None or ".metadata" not in result.manifest.files:
         return []
     try:
@@ -181,7 +182,8 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
     path = run.step_path(result.step, ".metadata")
     try:
         data = run.storage.read_bytes(path, limit=result.manifest.files[".metadata"].size)
-        restricted_load_metadata(data, source=run.storage.url(path))
+        sizes = {rel: entry.size for rel, entry in result.manifest.files.items()}
+        restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes)
     except ResumeError as e:
         return [str(e)]
     return []
@@ -257,10 +259,14 @@ def _steps_to_check(run: Run, step: int | None) -> list[int]:
 
 def _checkpoint_problems(run: Run, result: CheckResult, *, deep: bool) -> list[str]:
     """What verify adds to the commit check of a committed checkpoint: the schedule's sanity,
-    DCP's metadata (``deep``), and what the layout's framework says against the manifest."""
+    DCP's metadata and every rank state file in shape and bounds (``deep``), and what the
+    layout's framework says against the manifest."""
     problems = _semantic_problems(run, result)
     if deep:
-        problems += _check_dcp_metadata(run, result)
+        from .restore import rank_state_problems
+
+        assert result.manifest is not None
+        problems += _check_dcp_metadata(run, result) + rank_state_problems(run, result.manifest)
     return problems + run.layout.extra_problems(run, result)
 
 
@@ -274,7 +280,8 @@ def _report(run: Run, verdict: _Verdict) -> int:
 @cli.command()
 @click.argument("run_url", metavar="RUN")
 @click.option("--step", type=click.IntRange(min=0), default=None, help="Verify only this step.")
-@click.option("--deep", is_flag=True, help="Also read every file and compare its xxh3 checksum.")
+@click.option("--deep", is_flag=True, help="Also read every file and compare its xxh3 checksum; check "
+              "DCP's .metadata and the rank state files in shape and bounds.")
 @json_option
 @command
 def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
