@@ -157,7 +157,7 @@ def require_torch_dist(storage: Storage, iteration: int) -> None:
                             "the legacy torch format (mp_rank_*/model_optim_rng.pt); save with "
                             "--ckpt-format torch_dist")
     try:
-        meta = json.loads(storage.read_bytes(join(d, "metadata.json")))
+        meta = json.loads(storage.read_bytes(join(d, "metadata.json"), limit=SMALL_FILE_CAP))
     except FileNotFoundError:
         meta = {}
     except ValueError as e:

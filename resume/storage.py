@@ -165,21 +165,22 @@ class LocalStorage:
             child = os.open(part, _DIR_FLAGS, dir_fd=fd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                self._refuse_link(fd, part, prefix, "a directory")
+                self._refuse_odd(fd, part, prefix, "a directory")
             raise
         finally:
             os.close(fd)
         return child
 
-    def _refuse_link(self, fd: int, name: str, path: str, expected: str) -> None:
-        """UnsafePathError if ``name`` (under ``fd``) is a symbolic link; else nothing."""
+    def _refuse_odd(self, fd: int, name: str, path: str, expected: str) -> None:
+        """UnsafePathError if ``name`` (under ``fd``) is a symbolic link, a FIFO, a device or a
+        socket; else nothing (the caller raises its own error)."""
         try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
         except OSError:
             return
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafePathError(f"{self.url(path)}: expected {expected}, actual a symbolic link "
-                                  "(not followed)")
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsafePathError(f"{self.url(path)}: expected {expected}, actual {_kind(mode)} "
+                                  f"({'not followed' if stat.S_ISLNK(mode) else 'not read'})")
 
     def _lstat(self, path: str) -> os.stat_result:
         """The entry at ``path`` itself (a link is a link); UnsafePathError for a link on the way."""
@@ -198,8 +199,8 @@ class LocalStorage:
             try:
                 f = os.open(name, _FILE_FLAGS, dir_fd=fd)
             except OSError as e:
-                if e.errno == errno.ELOOP:
-                    self._refuse_link(fd, name, path, "a regular file")
+                if e.errno != errno.ENOENT:  # ELOOP: a link; ENXIO: a socket
+                    self._refuse_odd(fd, name, path, "a regular file")
                 raise
         finally:
             os.close(fd)
@@ -243,7 +244,7 @@ class LocalStorage:
                 d = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    self._refuse_link(fd, name, path, "a directory")
+                    self._refuse_odd(fd, name, path, "a directory")
                 raise
         finally:
             os.close(fd)

@@ -275,6 +275,12 @@ def test_verify_names_a_linked_step_directory(run_copy, outside):
     assert_problem(resume_cli("verify", run_copy), STEP4, "symbolic link")
 
 
+def test_a_fifo_named_as_the_newest_step_is_a_problem_and_never_waited_on(run_copy, outside):
+    os.mkfifo(os.path.join(run_copy, "step-000000006"))
+    assert_problem(resume_cli("verify", run_copy), "step-000000006", "a FIFO")
+    assert restore(run_copy)["restored_from"] == 4
+
+
 # -- layout detection (item 8) ------------------------------------------------------------------------
 
 
