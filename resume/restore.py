@@ -325,7 +325,7 @@ def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
                 problems = pending.result()
         return problems
     found = coll.each(verify if alongside is None else verify_beside,
-                      f"checksum verification of {run.dirname(manifest.step)}")
+                      "checksum verification")
     return [problem for problems in found for problem in problems]
 
 
