@@ -236,22 +236,11 @@ class LocalStorage:
             return False
 
     def listdir(self, path: str) -> list[str]:
-        if not self._parts(path):
-            return sorted(os.listdir(self.root))
-        fd, name = self._open_parent(path)
+        fd = self._open_dir(self._parts(path))
         try:
-            try:
-                d = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    self._refuse_odd(fd, name, path, "a directory")
-                raise
+            return sorted(os.listdir(fd))
         finally:
             os.close(fd)
-        try:
-            return sorted(os.listdir(d))
-        finally:
-            os.close(d)
 
     def size(self, path: str) -> int:
         """The size of the regular file at ``path`` (a link or special file is refused)."""
