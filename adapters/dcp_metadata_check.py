@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -64,8 +64,11 @@ def _check_str(value: Any, source: str, field: str, *, optional: bool = False) -
         raise _refuse(source, field, f"a string of at most {MAX_NAME} characters", value)
 
 
-def check_metadata(metadata: Any, *, source: str, file_sizes: Mapping[str, int] | None = None) -> None:
-    """Raise CorruptCheckpointError (or UnsafeCheckpointError) unless ``metadata`` is sound."""
+def check_metadata(metadata: Any, *, source: str, file_sizes: Mapping[str, int] | None = None,
+                   transforms: Collection[str] | None = None) -> None:
+    """Raise CorruptCheckpointError (or UnsafeCheckpointError) unless ``metadata`` is sound.
+    ``file_sizes`` (the manifest's) bound every item; ``transforms``: the only transform
+    descriptors an item may name (the compression the manifest records; None: not checked)."""
     if type(metadata) is not Metadata:
         raise _refuse(source, "metadata", "a DCP Metadata", type(metadata).__name__)
     extra = set(vars(metadata)) - {f for f in Metadata.__dataclass_fields__} - _EXTRA_FIELDS
@@ -77,7 +80,7 @@ def check_metadata(metadata: Any, *, source: str, file_sizes: Mapping[str, int] 
     for fqn, entry in entries.items():
         _check_str(fqn, source, "state_dict_metadata key")
         _check_entry(entry, source, f"state_dict_metadata[{short(fqn)}]")
-    _check_storage_data(metadata.storage_data, entries, source, file_sizes)
+    _check_storage_data(metadata.storage_data, entries, source, file_sizes, transforms)
     _check_plain(metadata.planner_data, source, "planner_data")
     _check_storage_meta(metadata.storage_meta, source)
     _check_str(metadata.version, source, "version", optional=True)
@@ -129,7 +132,8 @@ def chunk_bytes(chunk: ChunkStorageMetadata, dtype: torch.dtype) -> int:
     return math.prod(chunk.sizes) * _itemsize(dtype)
 
 
-def _check_storage_data(storage: Any, entries: dict, source: str, file_sizes: Mapping[str, int] | None) -> None:
+def _check_storage_data(storage: Any, entries: dict, source: str, file_sizes: Mapping[str, int] | None,
+                        transforms: Collection[str] | None) -> None:
     if type(storage) is not dict:
         raise _refuse(source, "storage_data", "a dict", type(storage).__name__)
     for index, info in storage.items():
@@ -140,6 +144,11 @@ def _check_storage_data(storage: Any, entries: dict, source: str, file_sizes: Ma
         if index.offset is not None:
             _check_shape(index.offset, source, f"{field}.offset", None)
         _check_storage_info(info, source, field, file_sizes)
+        named = list(info.transform_descriptors or ())
+        if transforms is not None and any(t not in transforms for t in named):
+            raise _refuse(source, f"{field}.transform_descriptors",
+                          f"only {sorted(transforms)} (the compression the manifest records)" if transforms
+                          else "none (the run's manifest records no compression)", named)
         stored = stored_bytes(entries[index.fqn], index)
         if stored is not None and not info.transform_descriptors and stored > info.length:
             # Stored raw, a chunk takes at least its bytes: a larger shape than the file holds.

@@ -118,9 +118,12 @@ class _MetadataUnpickler(_DataOnlyUnpickler):
                                     f"metadata class, actual {short(module, 80)}.{short(name, 80)} (refused)")
 
 
-def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[str, int] | None = None) -> Metadata:
+def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[str, int] | None = None,
+                             compression: str | None | bool = False) -> Metadata:
     """DCP's ``.metadata`` unpickled with the metadata classes only, then checked in shape and
-    bounds (``dcp_metadata_check``; ``file_sizes``: the manifest's, which bound every item).
+    bounds (``dcp_metadata_check``; ``file_sizes``: the manifest's, which bound every item;
+    ``compression``: what the manifest records, the only transform an item may name; False:
+    not known, not checked).
     UnsafeCheckpointError for a forbidden global, CorruptCheckpointError for anything else
     wrong, each naming ``source`` and the field; no other exception leaves."""
     try:
@@ -131,7 +134,8 @@ def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[st
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
                                      f"({type(e).__name__}: {short(str(e), 200)})") from e
     try:
-        check_metadata(metadata, source=source, file_sizes=file_sizes)
+        transforms = None if compression is False else [ZSTD] if compression == "zstd" else []
+        check_metadata(metadata, source=source, file_sizes=file_sizes, transforms=transforms)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual nested too deep") from e
     return metadata

@@ -665,7 +665,7 @@ class NativeTorchAdapter(Adapter):
         metadata_path = f"{step_dir}/.metadata"
         data, recorded = self._read_on_rank0(storage, step_dir)
         metadata = restricted_load_metadata(data, source=storage.url(metadata_path),
-                                            file_sizes=recorded["sizes"])
+                                            file_sizes=recorded["sizes"], compression=recorded["compression"])
         saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
                       for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
         # A fresh optimizer has no state; DCP needs tensors to load into, so it

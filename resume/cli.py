@@ -183,7 +183,8 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
     try:
         data = run.storage.read_bytes(path, limit=result.manifest.files[".metadata"].size)
         sizes = {rel: entry.size for rel, entry in result.manifest.files.items()}
-        restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes)
+        restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes,
+                                 compression=result.manifest.topology.get("compression"))
     except ResumeError as e:
         return [str(e)]
     return []

@@ -293,7 +293,9 @@ def check_rank_state(rank_state: Any, *, source: str) -> None:
             raise CorruptCheckpointError(f"{source}: {field}: expected at most {_RANK_STATE_DEPTH} "
                                          "levels of nesting, actual more")
         if isinstance(value, dict):
-            pending.extend((v, f"{field}.{short(k, 40)}".lstrip("."), depth + 1) for k, v in value.items())
+            # JSON keys are strings: named as they are, or cut short.
+            pending.extend((v, f"{field}.{k if len(k) <= 40 else short(k, 40)}".lstrip("."), depth + 1)
+                           for k, v in value.items())
         elif isinstance(value, list):
             pending.extend((v, f"{field}[{i}]", depth + 1) for i, v in enumerate(value))
         elif type(value) is int and not -_RANK_STATE_INT < value < _RANK_STATE_INT:
