@@ -12,6 +12,8 @@ directory: ``UnsafeCheckpointError``). Values are quoted with ``resume.text.shor
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import pathlib
 from collections.abc import Collection, Mapping
@@ -205,7 +207,7 @@ def _check_storage_meta(meta: Any, source: str) -> None:
 
 
 _LEAVES = (str, int, float, bool, type(None), torch.dtype, torch.layout, torch.memory_format,
-           pathlib.PurePath)
+           pathlib.PurePath, enum.Enum)
 
 
 def _check_plain(value: Any, source: str, field: str) -> None:
@@ -227,8 +229,8 @@ def _check_plain(value: Any, source: str, field: str) -> None:
             pending.extend((v, depth + 1) for v in item)
         elif isinstance(item, dict):
             pending.extend((v, depth + 1) for pair in item.items() for v in pair)
-        elif hasattr(item, "__dataclass_fields__") or hasattr(type(item), "__members__"):
-            if hasattr(item, "__dict__"):  # a record the unpickler allowed: its fields
-                pending.extend((v, depth + 1) for v in vars(item).values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            # A record the unpickler allowed: its fields.
+            pending.extend((v, depth + 1) for v in vars(item).values())
         else:
             raise _refuse(source, field, "plain data", type(item).__name__)

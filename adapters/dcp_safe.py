@@ -138,6 +138,9 @@ def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[st
         check_metadata(metadata, source=source, file_sizes=file_sizes, transforms=transforms)
     except RecursionError as e:
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual nested too deep") from e
+    except (AttributeError, TypeError, ValueError) as e:  # a record built without its fields
+        raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual "
+                                     f"{type(e).__name__}: {short(str(e), 200)}") from e
     return metadata
 
 

@@ -173,7 +173,7 @@ def _check_numpy_tree(value: Any, source: str, field: str) -> None:
         _require(depth <= _DEPTH_CAP, source, field, f"at most {_DEPTH_CAP} levels", "deeper")
         if isinstance(item, dict) and "__array__" in item:
             array, dtype = item["__array__"], item.get("dtype")
-            ok = (dtype in _ARRAY_DTYPES and isinstance(array, list) and len(array) <= _ARRAY_CAP
+            ok = (isinstance(dtype, str) and dtype in _ARRAY_DTYPES and isinstance(array, list) and len(array) <= _ARRAY_CAP
                   and all(_is_int(v, -(2**63), 2**64) for v in array))
             _require(ok, source, field, f"a flat array of at most {_ARRAY_CAP} integers of "
                      f"{sorted(_ARRAY_DTYPES)}", item)
