@@ -88,6 +88,11 @@ class _DataOnlyUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch[pickle.BUILD[0]] = _load_build
 
 
+def _printable(name: str) -> str:
+    """A global's name as the pickle spells it, cut short and with no control characters."""
+    return repr(name[:80])[1:-1] if isinstance(name, str) else short(name, 80)
+
+
 def _kind(obj: Any) -> str:
     if isinstance(obj, type):
         return f"the class {obj.__module__}.{obj.__qualname__}"
@@ -115,7 +120,7 @@ class _MetadataUnpickler(_DataOnlyUnpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(f"{self.source}: pickle global: expected a checkpoint "
-                                    f"metadata class, actual {short(module, 80)}.{short(name, 80)} (refused)")
+                                    f"metadata class, actual {_printable(module)}.{_printable(name)} (refused)")
 
 
 def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[str, int] | None = None,

@@ -283,6 +283,7 @@ class NativeTorchAdapter(Adapter):
         self._applied: list[list[float] | None] = [None] * len(self.optimizers)
         self._internal_step = False
         self._staged_state: Any = None  # the last staged copy, reused by the next (stage_shards)
+        self._checked_metadata: tuple | None = None  # (step_dir, bytes, recorded, Metadata): shard_problems'
         for i, opt in enumerate(self.optimizers):
             opt.register_step_pre_hook(self._make_lr_recorder(i))
             opt.register_step_post_hook(self._make_step_counter(i))
@@ -659,13 +660,33 @@ class NativeTorchAdapter(Adapter):
             raise CorruptCheckpointError(f"{storage.url(step_dir)}: loading the shards failed: "
                                          f"{type(e).__name__}: {short(str(e), 300)}") from e
 
+    def shard_problems(self, storage: Storage, step_dir: str) -> list[str]:
+        """DCP's .metadata unpickled and checked in shape and bounds against the manifest; kept
+        for the load that follows (read and unpickled once per restore)."""
+        self._checked_metadata = None
+        try:
+            data, recorded = self._read_metadata_and_record(storage, step_dir)
+            metadata = self._parse_metadata(storage, step_dir, data, recorded)
+        except UnsafeCheckpointError:
+            raise  # code in a checkpoint: refused loudly, not passed over
+        except CorruptCheckpointError as e:
+            return [str(e)]
+        self._checked_metadata = (step_dir, data, recorded, metadata)
+        return []
+
+    def _parse_metadata(self, storage: Storage, step_dir: str, data: bytes, recorded: dict) -> Any:
+        checked = self._checked_metadata
+        if checked is not None and checked[0] == step_dir and checked[1] is data:
+            return checked[3]
+        return restricted_load_metadata(data, source=storage.url(f"{step_dir}/.metadata"),
+                                        file_sizes=recorded["sizes"], compression=recorded["compression"])
+
     def _load_shards(self, storage: Storage, step_dir: str) -> None:
         # Refuse a hostile .metadata here, with our error, before DCP sees it: its shape and
         # bounds checked against the manifest's files (the one reader below loads it).
-        metadata_path = f"{step_dir}/.metadata"
         data, recorded = self._read_on_rank0(storage, step_dir)
-        metadata = restricted_load_metadata(data, source=storage.url(metadata_path),
-                                            file_sizes=recorded["sizes"], compression=recorded["compression"])
+        metadata = self._parse_metadata(storage, step_dir, data, recorded)
+        self._checked_metadata = None
         saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
                       for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
         # A fresh optimizer has no state; DCP needs tensors to load into, so it
@@ -701,16 +722,24 @@ class NativeTorchAdapter(Adapter):
         compression), read once (rank 0) and broadcast: thousands of ranks never open the
         same file of a parallel file system or an object store."""
         def read() -> tuple[bytes, dict]:
-            path = f"{step_dir}/.metadata"
-            recorded = _recorded_for_shards(storage, step_dir)
-            limit = recorded["sizes"].get(".metadata")
-            try:
-                return storage.read_bytes(path, limit=limit), recorded
-            except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
-                kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
-                raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
-                           f"{type(e).__name__}: {e}") from e
+            checked = self._checked_metadata  # read by shard_problems (this rank 0) just before
+            if checked is not None and checked[0] == step_dir:
+                return checked[1], checked[2]
+            return self._read_metadata_and_record(storage, step_dir)
         return Collective(self.comm).on_rank0(read)
+
+    def _read_metadata_and_record(self, storage: Storage, step_dir: str) -> tuple[bytes, dict]:
+        path = f"{step_dir}/.metadata"
+        recorded = _recorded_for_shards(storage, step_dir)
+        limit = (recorded["sizes"] or {}).get(".metadata")
+        try:
+            return storage.read_bytes(path, limit=limit), recorded
+        except CorruptCheckpointError:
+            raise
+        except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
+            kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
+            raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
+                       f"{type(e).__name__}: {short(str(e))}") from e
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""

@@ -92,7 +92,8 @@ class Restorer:
                 break
             problems = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
             if self.settings.verify_on_restore and not problems:
-                problems = self._rank_state_problems(manifest)
+                problems = self._rank_state_problems(manifest) or self.coll.on_rank0(
+                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step)))
             if problems:
                 broken.append((manifest.step, "; ".join(problems)))
                 below = manifest.step
