@@ -332,7 +332,7 @@ class LocalStorage:
     def put_file(self, local: str, path: str) -> None:
         dfd, name = self._open_parent(path, create=True)
         try:
-            fd = os.open(name, _NEW_FILE_FLAGS | os.O_TRUNC, 0o644, dir_fd=dfd)
+            fd = os.open(name, _NEW_FILE_FLAGS | os.O_TRUNC, 0o666, dir_fd=dfd)
         finally:
             os.close(dfd)
         with open(local, "rb") as src, os.fdopen(fd, "wb") as dst:

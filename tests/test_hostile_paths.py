@@ -18,13 +18,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import resource
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.checkpoints import edit_manifest
+from support.hostile import assert_problem, restore_in_subprocess, resume_cli
 from support.workloads import trained
 
 from resume.errors import OversizedFileError, UnsafePathError
@@ -36,10 +35,6 @@ pytestmark = pytest.mark.timeout(180)
 STEP2, STEP4 = "step-000000002", "step-000000004"
 SHARD = "__0_0.distcp"
 SECRET = "API_KEY=sk-live-0123456789abcdef"
-ADDRESS_SPACE = 6 << 30
-"""The CLI and restore subprocesses' address-space limit: torch's import needs about 3 GiB
-of it; reading /dev/zero into memory would pass it within seconds."""
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- the run, the outside world, and what must stay as it is --------------------------------------
@@ -85,49 +80,6 @@ def snapshot(root: str) -> dict[str, tuple]:
     return out
 
 
-def limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-
-
-def resume_cli(*args: str) -> subprocess.CompletedProcess:
-    """``resume ARGS`` in a subprocess under the address-space limit and a timeout."""
-    return subprocess.run([sys.executable, "-m", "resume.cli", *args], capture_output=True, text=True,
-                          timeout=120, preexec_fn=limited, check=False)
-
-
-RESTORE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from support.workloads import Setup, build
-from resume.errors import ResumeError
-coord, _ = build(0, 1, {run!r}, Setup(every=2))
-try:
-    coord.restore()
-    print(json.dumps({{"restored_from": coord.restored_from}}))
-except ResumeError as e:
-    print(json.dumps({{"error": type(e).__name__, "message": str(e)}}))
-finally:
-    coord.close()
-"""
-
-
-def restore(run: str) -> dict:
-    """A job's restore of ``run`` in a subprocess: {"restored_from": step} or {"error": ...}."""
-    proc = subprocess.run([sys.executable, "-c", RESTORE.format(tests=TESTS, run=run)], capture_output=True,
-                          text=True, timeout=150, preexec_fn=limited, check=False)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"log": proc.stderr}
-
-
-def assert_problem(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    """Exit 1, one-line errors only (no traceback), each needle in them."""
-    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("resume: error: ") for line in lines), proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, (needle, proc.stderr)
-
-
 # -- the ways a hostile or broken neighbour leaves a file ------------------------------------------
 
 
@@ -171,7 +123,7 @@ def test_special_file_in_a_checkpoint_is_damage_verify_names_it_and_restore_fall
     listing = resume_cli("ls", run_copy)
     assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
     assert "broken" in listing.stdout, listing.stdout
-    assert restore(run_copy)["restored_from"] == 2
+    assert restore_in_subprocess(run_copy)["restored_from"] == 2
 
 
 @pytest.mark.parametrize("kind", SPECIAL.keys())
@@ -181,7 +133,7 @@ def test_special_latest_is_a_problem_and_never_read(run_copy, outside, kind):
     listing = resume_cli("ls", "--json", run_copy)
     assert listing.returncode == 0, listing.stderr
     assert json.loads(listing.stdout)["latest_hint"] is None
-    assert restore(run_copy)["restored_from"] == 4  # LATEST is a hint; restore never reads it
+    assert restore_in_subprocess(run_copy)["restored_from"] == 4  # LATEST is a hint; restore never reads it
 
 
 def test_latest_linked_to_a_secret_outside_is_refused_never_quoted(run_copy, outside):
@@ -208,7 +160,7 @@ def test_shard_linked_to_etc_passwd_fails_verify_deep_naming_it(run_copy, outsid
     proc = resume_cli("verify", "--deep", "--step", "4", run_copy)
     assert_problem(proc, f"{STEP4}/{SHARD}", "symbolic link")
     assert "root:" not in proc.stdout + proc.stderr
-    assert restore(run_copy)["restored_from"] == 2
+    assert restore_in_subprocess(run_copy)["restored_from"] == 2
 
 
 @pytest.mark.parametrize("damage", [link_loop, make_directory], ids=["ELOOP", "EISDIR"])
@@ -216,20 +168,18 @@ def test_shard_linked_to_etc_passwd_fails_verify_deep_naming_it(run_copy, outsid
 def test_loop_or_directory_is_damage_so_restore_falls_back_instead_of_try_again(run_copy, damage, name):
     damage(os.path.join(run_copy, STEP4, FILES[name]), "")
     assert_problem(resume_cli("verify", run_copy), f"{STEP4}/{FILES[name]}")
-    outcome = restore(run_copy)
+    outcome = restore_in_subprocess(run_copy)
     assert outcome.get("restored_from") == 2, outcome
     assert any(n.startswith(f"quarantine-{STEP4}-") for n in os.listdir(run_copy))
 
 
 def test_over_long_name_in_a_manifest_is_damage_not_an_outage(run_copy):
-    path = Path(run_copy, STEP4, "manifest.json")
-    manifest = json.loads(path.read_text())
-    manifest["files"]["n" * 300] = dict(manifest["files"][SHARD])
-    path.write_text(json.dumps(manifest))
+    edit_manifest(os.path.join(run_copy, STEP4),
+                  lambda body: body["files"].__setitem__("n" * 300, dict(body["files"][SHARD])))
     result = Run.open(run_copy).check(4)
     assert not result.committed and result.has_manifest and not result.unreadable, result
     assert "File name too long" in result.reason
-    assert restore(run_copy)["restored_from"] == 2
+    assert restore_in_subprocess(run_copy)["restored_from"] == 2
 
 
 # -- step directories that are links: retention, quarantine -----------------------------------------
@@ -263,7 +213,7 @@ def test_retention_of_a_real_job_leaves_a_linked_step_and_its_target_alone(run_c
 
 def test_quarantine_of_a_linked_step_moves_the_link_and_writes_nothing_outside(run_copy, outside):
     other = link_step_into_other_run(run_copy, STEP4, outside)
-    outcome = restore(run_copy)
+    outcome = restore_in_subprocess(run_copy)
     assert outcome.get("restored_from") == 2, outcome
     aside = [n for n in os.listdir(run_copy) if n.startswith(f"quarantine-{STEP4}-")]
     assert len(aside) == 1 and os.path.islink(os.path.join(run_copy, aside[0]))
@@ -278,7 +228,7 @@ def test_verify_names_a_linked_step_directory(run_copy, outside):
 def test_a_fifo_named_as_the_newest_step_is_a_problem_and_never_waited_on(run_copy, outside):
     os.mkfifo(os.path.join(run_copy, "step-000000006"))
     assert_problem(resume_cli("verify", run_copy), "step-000000006", "a FIFO")
-    assert restore(run_copy)["restored_from"] == 4
+    assert restore_in_subprocess(run_copy)["restored_from"] == 4
 
 
 # -- layout detection (item 8) ------------------------------------------------------------------------
