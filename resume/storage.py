@@ -205,14 +205,7 @@ class LocalStorage:
         finally:
             os.close(fd)
         try:
-            st = os.fstat(f)
-            if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "expected a regular file, actual a directory",
-                                        self.url(path))
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafePathError(f"{self.url(path)}: expected a regular file, actual "
-                                      f"{_kind(st.st_mode)} (not read)")
-            check_size(self.url(path), st.st_size, limit)
+            check_size(self.url(path), self._regular(path, os.fstat(f)), limit)
             os.set_blocking(f, True)
         except BaseException:
             os.close(f)
@@ -244,13 +237,17 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         """The size of the regular file at ``path`` (a link or special file is refused)."""
-        st = self._lstat(path)
+        return self._regular(path, self._lstat(path))
+
+    def _regular(self, path: str, st: os.stat_result) -> int:
+        """The size of a regular file; IsADirectoryError for a directory (damage, like ENOENT),
+        UnsafePathError for anything else."""
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "expected a regular file, actual a directory",
                                     self.url(path))
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{self.url(path)}: expected a regular file, actual "
-                                  f"{_kind(st.st_mode)}")
+                                  f"{_kind(st.st_mode)} (not read)")
         return st.st_size
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
