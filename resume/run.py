@@ -46,7 +46,6 @@ from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
 from .state import TrainState
 from .storage import MANIFEST_CAP, SMALL_FILE_CAP, Storage, is_damage, join, open_storage
-from .text import short
 
 __all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
            "parse_step_dirname", "register_layout", "step_dirname"]
@@ -151,7 +150,8 @@ def _problem(source: str, expected: str, e: BaseException) -> str:
     as it may quote what it read."""
     if isinstance(e, UnsafePathError):
         return str(e)
-    return f"{source}: expected {expected}, actual {type(e).__name__}: {short(str(e), 200)}"
+    message = "".join(c if c.isprintable() else "?" for c in str(e)[:200])
+    return f"{source}: expected {expected}, actual {type(e).__name__}: {message}"
 
 
 def utc_now() -> str:
