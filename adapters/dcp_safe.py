@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from resume.errors import CorruptCheckpointError, UnsafeCheckpointError
-from resume.text import short
+from resume.text import clip, short
 
 from .dcp_metadata_check import check_metadata
 
@@ -137,7 +137,7 @@ def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[st
         raise
     except (Exception, RecursionError) as e:
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
-                                     f"({type(e).__name__}: {short(str(e), 200)})") from e
+                                     f"({type(e).__name__}: {clip(str(e), 200)})") from e
     try:
         transforms = None if compression is False else [ZSTD] if compression == "zstd" else []
         check_metadata(metadata, source=source, file_sizes=file_sizes, transforms=transforms)
@@ -145,7 +145,7 @@ def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[st
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual nested too deep") from e
     except (AttributeError, TypeError, ValueError) as e:  # a record built without its fields
         raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual "
-                                     f"{type(e).__name__}: {short(str(e), 200)}") from e
+                                     f"{type(e).__name__}: {clip(str(e), 200)}") from e
     return metadata
 
 
@@ -318,7 +318,7 @@ def check_archive(item, cap: int, where: str) -> None:
             infos = z.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error) as e:
         raise CorruptCheckpointError(f"{where}: expected a torch.save archive, actual "
-                                     f"{type(e).__name__}: {short(str(e))}") from e
+                                     f"{type(e).__name__}: {clip(str(e))}") from e
     item.seek(0, io.SEEK_END)
     size = item.tell()
     total = 0

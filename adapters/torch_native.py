@@ -57,7 +57,7 @@ from resume.errors import (
 from resume.manifest import MANIFEST_NAME
 from resume.schedule import describe_callable, describe_lr_schedule, is_lr_schedule, lr_schedule_values
 from resume.storage import MANIFEST_CAP, Storage
-from resume.text import short
+from resume.text import clip
 
 from . import jsonstate
 from .data import check_loader, load_loader_state, loader_state
@@ -658,7 +658,7 @@ class NativeTorchAdapter(Adapter):
             raise
         except _DAMAGE as e:  # what a damaged file makes torch or DCP raise outside dcp.load
             raise CorruptCheckpointError(f"{storage.url(step_dir)}: loading the shards failed: "
-                                         f"{type(e).__name__}: {short(str(e), 300)}") from e
+                                         f"{type(e).__name__}: {clip(str(e), 300)}") from e
 
     def shard_problems(self, storage: Storage, step_dir: str) -> list[str]:
         """DCP's .metadata unpickled and checked in shape and bounds against the manifest; kept
@@ -739,7 +739,7 @@ class NativeTorchAdapter(Adapter):
         except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
             kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
             raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
-                       f"{type(e).__name__}: {short(str(e))}") from e
+                       f"{type(e).__name__}: {clip(str(e))}") from e
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""
@@ -771,7 +771,7 @@ def _recorded_for_shards(storage: Storage, step_dir: str) -> dict:
     except FileNotFoundError:
         return {"sizes": None, "compression": None}
     except ValueError as e:
-        raise CorruptCheckpointError(f"{storage.url(path)}: expected JSON, actual {short(str(e))}") from e
+        raise CorruptCheckpointError(f"{storage.url(path)}: expected JSON, actual {clip(str(e))}") from e
     files = body.get("files") if isinstance(body, dict) else None
     topology = body.get("topology") if isinstance(body, dict) else None
     sizes = {rel: entry["size"] for rel, entry in files.items()

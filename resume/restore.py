@@ -40,7 +40,7 @@ from .rng import RngRegistry, check_state
 from .run import CheckResult, Run
 from .state import TrainState
 from .storage import join
-from .text import short
+from .text import clip, short
 
 __all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs", "check_rank_state",
            "rank_state_problems", "read_rank_state", "verify_share"]
@@ -251,7 +251,7 @@ def read_rank_state(run: Run, manifest: Manifest, rel: str) -> dict:
     except RecursionError as e:
         raise CorruptCheckpointError(f"{url}: expected JSON, actual nested too deep") from e
     except ValueError as e:
-        raise ManifestError(f"{url}: expected JSON, actual {short(str(e), 200)}") from e
+        raise ManifestError(f"{url}: expected JSON, actual {clip(str(e), 200)}") from e
     check_rank_state(rank_state, source=url)
     return rank_state
 
@@ -341,7 +341,7 @@ def _damage_as_corrupt(where: str) -> Iterator[None]:
     except (ResumeError, MemoryError):
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {short(str(e), 200)}") from e
+        raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {clip(str(e), 200)}") from e
 
 
 def _sort_rejected(rejected: list[CheckResult], broken: list, torn: list) -> None:

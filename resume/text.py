@@ -4,7 +4,8 @@
 64 levels deep is a few hundred bytes and 2**64 nodes when printed), recurse past the
 interpreter's limit (a list nested 200,000 deep), or fail (``str()`` of an int of more
 than 4,300 digits raises ValueError). Every message that quotes such a value goes
-through ``short`` or ``number``: bounded in size, depth and time, and never raising.
+through ``short`` or ``number``, and an exception's own text through ``clip``: bounded in
+size, depth and time, and never raising.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import reprlib
 from typing import Any
 
-__all__ = ["number", "short"]
+__all__ = ["clip", "number", "short"]
 
 _MAX_DIGITS = 40
 """Integers with more digits are described by their length, not printed."""
@@ -55,6 +56,13 @@ class _Bounded(reprlib.Repr):
         if x is None or isinstance(x, (bool, complex)):
             return repr(x)
         return f"<{type(x).__name__}>"
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """Message text (an exception's own message, which may quote what it read) as plain text
+    on one line: cut to ``limit`` characters, anything unprintable shown as ``?``; unquoted."""
+    cut = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return cut if len(text) <= limit else cut + "..."
 
 
 def short(value: Any, limit: int = 120) -> str:
