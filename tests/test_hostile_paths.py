@@ -40,21 +40,6 @@ SECRET = "API_KEY=sk-live-0123456789abcdef"
 # -- the run, the outside world, and what must stay as it is --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> str:
-    run = str(tmp_path_factory.mktemp("hostile") / "run")
-    trained(run, until=4, every=2)
-    assert Run.open(run).committed_steps() == [2, 4]
-    return run
-
-
-@pytest.fixture
-def run_copy(trained_run, tmp_path) -> str:
-    run = str(tmp_path / "run")
-    shutil.copytree(trained_run, run)
-    return run
-
-
 @pytest.fixture
 def outside(trained_run, tmp_path):
     """A directory beside the run: a secret, and another run's committed steps 2 and 4. Yields

@@ -21,7 +21,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import struct
 import sys
 import zipfile
@@ -31,10 +30,8 @@ import torch
 from resume.adapters import dcp_safe
 from support.checkpoints import edit_manifest, replace_listed_file
 from support.hostile import assert_problem, restore_in_subprocess, resume_cli
-from support.workloads import trained
 
 from resume.errors import CorruptCheckpointError, ManifestError, UnsafeCheckpointError
-from resume.run import Run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,21 +39,6 @@ STEP4 = "step-000000004"
 SHARD = "__0_0.distcp"
 RANK0 = "rank-00000.json"
 TENSOR_ITEM = "model.blocks.0.qkv.weight"  # a plain contiguous float32 tensor, 48x16
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> str:
-    run = str(tmp_path_factory.mktemp("hostile-pickles") / "run")
-    trained(run, until=4, every=2)
-    assert Run.open(run).committed_steps() == [2, 4]
-    return run
-
-
-@pytest.fixture
-def run_copy(trained_run, tmp_path) -> str:
-    run = str(tmp_path / "run")
-    shutil.copytree(trained_run, run)
-    return run
 
 
 def step4(run: str, *parts: str) -> str:
