@@ -10,13 +10,16 @@ the metadata classes and nothing else, and non-tensor entries are read with
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pathlib
 import pickle
 import struct
+import types
 import zipfile
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -25,8 +28,10 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.default_planner import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from resume.errors import ManifestError, UnsafeCheckpointError
-from resume.manifest import check_relative_path
+from resume.errors import CorruptCheckpointError, UnsafeCheckpointError
+from resume.text import clip, short
+
+from .dcp_metadata_check import check_metadata
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "read_stored_tensor_into", "restricted_load_metadata"]
 
@@ -51,7 +56,60 @@ for _name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorag
         _ALLOWED[("torch.distributed.checkpoint.metadata", _name)] = getattr(_md, _name)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _DataOnlyUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler, whose opcode table is ours to change (the C one's is not).
+
+    BUILD (which also carries SETSTATE) sets attributes on the object below it: on a class
+    that would change the class for the whole process, even if a later opcode makes the
+    pickle refused. Here BUILD is allowed on an instance of ``buildable`` only, with a state
+    of plain attribute names (or the state the class's own ``__setstate__`` takes), so a
+    refused pickle leaves the process exactly as it was. Checking each BUILD's real target
+    as it runs is exact, where a pre-scan of the opcodes would have to model the stack.
+    The cost: about 0.4 s per MB of metadata, checks included (the C unpickler is ~10x
+    faster); a restore reads it once, on rank 0.
+    """
+
+    buildable: frozenset[type] = frozenset()
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def _load_build(self) -> None:
+        stack = self.stack
+        if len(stack) < 2:
+            raise pickle.UnpicklingError("BUILD: expected an object and its state, actual an empty stack")
+        state, target = stack[-1], stack[-2]
+        if type(target) not in self.buildable:
+            raise pickle.UnpicklingError(f"BUILD on {_kind(target)} (refused: state may be set on "
+                                         "instances of the checkpoint's data classes only)")
+        if "__setstate__" not in type(target).__dict__ and not _is_plain_state(state):
+            raise pickle.UnpicklingError(f"BUILD on {type(target).__name__}: expected a dict of field "
+                                         f"names, actual {short(state, 80)}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def _printable(name: str) -> str:
+    """A global's name as the pickle spells it, cut short and with no control characters."""
+    return repr(name[:80])[1:-1] if isinstance(name, str) else short(name, 80)
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    if isinstance(obj, types.ModuleType):
+        return f"the module {obj.__name__}"
+    return f"a {type(obj).__name__}"
+
+
+def _is_plain_state(state: Any) -> bool:
+    return type(state) is dict and all(type(k) is str and k.isidentifier() and not k.startswith("__")
+                                       for k in state)
+
+
+class _MetadataUnpickler(_DataOnlyUnpickler):
+    buildable = frozenset(cls for cls in _ALLOWED.values()
+                          if isinstance(cls, type) and dataclasses.is_dataclass(cls))
+
     def __init__(self, file, source: str) -> None:
         super().__init__(file)
         self.source = source
@@ -62,27 +120,32 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(f"{self.source}: pickle global: expected a checkpoint "
-                                    f"metadata class, actual {module}.{name} (refused)")
+                                    f"metadata class, actual {_printable(module)}.{_printable(name)} (refused)")
 
 
-def restricted_load_metadata(data: bytes, *, source: str) -> Metadata:
+def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[str, int] | None = None,
+                             compression: str | None | bool = False) -> Metadata:
+    """DCP's ``.metadata`` unpickled with the metadata classes only, then checked in shape and
+    bounds (``dcp_metadata_check``; ``file_sizes``: the manifest's, which bound every item;
+    ``compression``: what the manifest records, the only transform an item may name; False:
+    not known, not checked).
+    UnsafeCheckpointError for a forbidden global, CorruptCheckpointError for anything else
+    wrong, each naming ``source`` and the field; no other exception leaves."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), source).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as e:
-        raise UnsafeCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
-                                    f"({type(e).__name__}: {e})") from e
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"{source}: expected DCP Metadata, actual {type(metadata).__name__}")
-    # Every data file must lie inside the step directory.
-    for info in (metadata.storage_data or {}).values():
-        path = getattr(info, "relative_path", None)
-        try:
-            check_relative_path(path, source=source)
-        except ManifestError as e:
-            raise UnsafeCheckpointError(f"{source}: storage_data.relative_path: expected a file "
-                                        f"inside the step directory, actual {path!r}") from e
+    except (Exception, RecursionError) as e:
+        raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual unreadable "
+                                     f"({type(e).__name__}: {clip(str(e), 200)})") from e
+    try:
+        transforms = None if compression is False else [ZSTD] if compression == "zstd" else []
+        check_metadata(metadata, source=source, file_sizes=file_sizes, transforms=transforms)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual nested too deep") from e
+    except (AttributeError, TypeError, ValueError) as e:  # a record built without its fields
+        raise CorruptCheckpointError(f"{source}: expected DCP metadata, actual "
+                                     f"{type(e).__name__}: {clip(str(e), 200)}") from e
     return metadata
 
 
@@ -97,22 +160,38 @@ class _SafeMetadataMixin:
             path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
             with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
                 metadata = restricted_load_metadata(f.read(), source=str(path))
+        self.preloaded_metadata = metadata  # the item sizes read_data bounds decompression by
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
         return metadata
 
 
+ZSTD = "stream.zstd/1"
+"""The one transform honoured (what ``dcp_io.make_writer(compression="zstd")`` records), and
+only when the run's manifest records the compression (``compressed``)."""
+ZIP_FRAMING = 64 << 10
+"""What torch.save adds around a chunk's bytes (zip headers, alignment, its small pickle)."""
+BYTES_ITEM_CAP = 256 << 20
+"""The most a non-tensor item (a torch.save'd value, not a tensor) may decompress to."""
+
+
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     """DCP's reader with the restricted metadata unpickler; tensors are read by ``threads``
-    workers (each with its own file handle), so reading, deserialising and copying overlap."""
+    workers (each with its own file handle), so reading, deserialising and copying overlap.
+
+    Every item is read within bounds: a transform other than zstd, or zstd on a run whose
+    manifest does not record it, is refused; decompression stops at the item's expected
+    size (its chunk's bytes plus torch.save's framing); a torch.save archive is opened only
+    when its records are stored uncompressed and no larger than that."""
 
     threads = 2
+    compressed = False
+    """The run's manifest records zstd compression: only then is ``stream.zstd`` honoured."""
 
     def read_data(self, plan, planner):
         from concurrent.futures import ThreadPoolExecutor
 
-        from torch.distributed.checkpoint import DefaultLoadPlanner
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future
 
@@ -124,52 +203,135 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
             simple = r.type != LoadItemType.BYTE_IO and not self.storage_data[r.storage_index].transform_descriptors
             (tensor_reqs if simple else rest).append(r)
         if self.threads < 2 or len(tensor_reqs) < 2 or not plain:
-            return super().read_data(plan, planner)
-        if rest:
-            super().read_data(type(plan)(rest, plan.storage_data, plan.planner_data), planner)
-        by_file: dict[str, list] = {}
-        for r in tensor_reqs:
-            by_file.setdefault(self.storage_data[r.storage_index].relative_path, []).append(r)
+            rest, tensor_reqs = list(plan.items), []
+        for path, reqs in self._by_file(rest).items():
+            self._read_items(path, reqs, planner)
         work = []
-        for path, reqs in by_file.items():
+        for path, reqs in self._by_file(tensor_reqs).items():
             # Contiguous runs of the file per thread: each reads sequentially.
-            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
             half = (len(reqs) + self.threads - 1) // self.threads
             work += [(path, reqs[i:i + half]) for i in range(0, len(reqs), half)]
-        with ThreadPoolExecutor(self.threads) as pool:
-            for f in [pool.submit(self._read_tensors, path, reqs, planner) for path, reqs in work if reqs]:
-                f.result()
+        if work:
+            with ThreadPoolExecutor(self.threads) as pool:
+                for f in [pool.submit(self._read_items, path, reqs, planner) for path, reqs in work if reqs]:
+                    f.result()
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _read_tensors(self, relative_path: str, reqs: list, planner) -> None:
-        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
-        from torch.distributed.checkpoint.utils import _create_file_view
+    def _by_file(self, reqs: list) -> dict[str, list]:
+        by_file: dict[str, list] = {}
+        for r in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+            by_file.setdefault(self.storage_data[r.storage_index].relative_path, []).append(r)
+        return by_file
+
+    def _read_items(self, relative_path: str, reqs: list, planner) -> None:
+        from torch.distributed.checkpoint.planner import LoadItemType
 
         path = self.fs.concat_path(self.path, relative_path)
         with self.fs.create_stream(path, "rb") as stream:
             for req in reqs:
-                info = self.storage_data[req.storage_index]
-                target = planner.resolve_tensor(req).detach()
-                whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
-                if whole and read_stored_tensor_into(stream, info.offset, info.length, target):
-                    planner.commit_tensor(req, target)
-                    continue
-                stream.seek(info.offset)
-                view = _create_file_view(stream, info.offset, info.length)
-                try:
-                    tensor = torch.load(view, map_location="cpu", weights_only=True)
-                except pickle.UnpicklingError as e:
-                    raise UnsafeCheckpointError(
-                        f"{relative_path}: {req.storage_index.fqn}: pickle: expected tensor data only, "
-                        f"actual {pickle_refusal(e)} (refused, nothing run)") from e
-                tensor = narrow(tensor, req.storage_offsets, req.lengths)
-                if target.size() != tensor.size():
-                    raise ValueError(f"{relative_path}: {req.storage_index.fqn}: size: expected "
-                                     f"{tuple(target.size())}, actual {tuple(tensor.size())}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+                where = f"{relative_path}: {short(req.storage_index.fqn)}"
+                if req.type == LoadItemType.BYTE_IO:
+                    item = self._item(stream, req, BYTES_ITEM_CAP, where)
+                    data = io.BytesIO(item.read() if isinstance(item, _Window) else item.getvalue())
+                    check_archive(data, max(BYTES_ITEM_CAP, len(data.getbuffer())), where)
+                    data.seek(0)
+                    planner.load_bytes(req, data)
+                else:
+                    self._read_tensor(stream, req, planner, where)
+
+    def _expected_bytes(self, req) -> int:
+        from .dcp_metadata_check import stored_bytes
+
+        index = req.storage_index
+        entry = self.preloaded_metadata.state_dict_metadata.get(index.fqn) if self.preloaded_metadata else None
+        stored = stored_bytes(entry, index) if entry is not None else None
+        return BYTES_ITEM_CAP if stored is None else stored + ZIP_FRAMING
+
+    def _item(self, stream, req, cap: int, where: str) -> io.IOBase:
+        """The item's torch.save archive, seekable: a window of the file, or its decompressed
+        bytes, read no further than ``cap``."""
+        info = self.storage_data[req.storage_index]
+        window = _Window(stream, info.offset, info.length)
+        transforms = list(info.transform_descriptors or ())
+        if not transforms:
+            return window
+        if transforms != [ZSTD] or not self.compressed:
+            raise CorruptCheckpointError(
+                f"{where}: transform_descriptors: expected {'[' + ZSTD + ']' if self.compressed else 'none'} "
+                f"(the run's manifest {'records zstd' if self.compressed else 'records no compression'}), "
+                f"actual {short(transforms)}")
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        return io.BytesIO(read_capped(ZStandard().transform_from(window), cap, where))
+
+    def _read_tensor(self, stream, req, planner, where: str) -> None:
+        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+
+        info = self.storage_data[req.storage_index]
+        target = planner.resolve_tensor(req).detach()
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
+        if (whole and not info.transform_descriptors
+                and read_stored_tensor_into(stream, info.offset, info.length, target)):
+            planner.commit_tensor(req, target)
+            return
+        cap = self._expected_bytes(req)
+        item = self._item(stream, req, cap, where)
+        check_archive(item, cap, where)
+        item.seek(0)
+        try:
+            tensor = torch.load(item, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{where}: pickle: expected tensor data only, actual {pickle_refusal(e)} (refused, nothing run)") from e
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: expected a tensor, actual {type(tensor).__name__}")
+        tensor = narrow(tensor, req.storage_offsets, req.lengths)
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(f"{where}: size: expected {tuple(target.size())}, "
+                                         f"actual {short(tuple(tensor.size()))}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
+def read_capped(stream, cap: int, where: str) -> bytes:
+    """All of ``stream`` (a decompressor), refused as soon as it passes ``cap`` bytes."""
+    out = bytearray()
+    while True:
+        chunk = stream.read(min(4 << 20, cap + 1 - len(out)))
+        if not chunk:
+            return bytes(out)
+        out += chunk
+        if len(out) > cap:
+            raise CorruptCheckpointError(f"{where}: decompressed size: expected at most {cap} bytes "
+                                         "(the item's chunk and its framing), actual more (refused, "
+                                         "decompression stopped there)")
+
+
+def check_archive(item, cap: int, where: str) -> None:
+    """A torch.save archive is opened only when every record is stored (torch.save never
+    compresses), inside the item, and the records together hold at most ``cap`` bytes:
+    checked from the zip's directory, before any record is inflated."""
+    try:
+        with zipfile.ZipFile(item) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error) as e:
+        raise CorruptCheckpointError(f"{where}: expected a torch.save archive, actual "
+                                     f"{type(e).__name__}: {clip(str(e))}") from e
+    item.seek(0, io.SEEK_END)
+    size = item.tell()
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size \
+                or info.header_offset + info.file_size > size:
+            raise CorruptCheckpointError(
+                f"{where}: {short(info.filename)}: expected a stored record inside the item, actual "
+                f"compress_type {info.compress_type}, {info.compress_size} bytes declaring {info.file_size}")
+        total += info.file_size
+    if total > cap:
+        raise CorruptCheckpointError(f"{where}: records: expected at most {cap} bytes (the item's chunk "
+                                     f"and its framing), actual {total}")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -36,10 +36,11 @@ from resume.errors import (
     ManifestError,
     RunNotFoundError,
     UnsafeCheckpointError,
+    UnsafePathError,
 )
 from resume.run import RESUME_LAYOUT, CheckResult, Run, RunLayout, register_layout
 from resume.state import TrainState
-from resume.storage import Storage, join
+from resume.storage import SMALL_FILE_CAP, Storage, join
 
 from .megatron_schedule import MegatronSchedule
 
@@ -75,12 +76,17 @@ class MegatronLayout(RunLayout):
     """
 
     def claims(self, storage: Storage) -> bool:
-        """The tracker, or ``iter_NNNNNNN/`` directories and no step directory of ours."""
-        if storage.exists(MEGATRON_TRACKER):
-            return True
+        """The tracker or ``iter_NNNNNNN/`` directories, in a directory holding nothing of ours.
+
+        A step directory or our ``LATEST`` makes it a run of ours whatever else is there: a
+        stray tracker (copied in, or written by a tool pointed at the wrong directory) must
+        not hide a native run's checkpoints. (``run.json`` decides nothing: a job using the
+        Megatron integration writes one into the save directory too.)
+        """
         names = storage.listdir("")
-        return any(self.parse(n) is not None for n in names) and not any(
-            RESUME_LAYOUT.parse(n) is not None for n in names)
+        if RESUME_LAYOUT.latest in names or any(RESUME_LAYOUT.parse(n) is not None for n in names):
+            return False
+        return MEGATRON_TRACKER in names or any(self.parse(n) is not None for n in names)
 
     def extra_problems(self, run: Run, result: CheckResult) -> list[str]:
         """Megatron's own state (format, counters, schedule) must agree with our manifest."""
@@ -109,7 +115,7 @@ MEGATRON_LAYOUT = register_layout(MegatronLayout(
 def read_tracker(storage: Storage) -> int | None:
     """Megatron's pointer: the iteration it last finished saving; None if there is no tracker."""
     try:
-        text = storage.read_bytes(MEGATRON_TRACKER).decode(errors="replace").strip()
+        text = storage.read_bytes(MEGATRON_TRACKER, limit=SMALL_FILE_CAP).decode(errors="replace").strip()
     except FileNotFoundError:
         return None
     if text == "release":
@@ -151,7 +157,7 @@ def require_torch_dist(storage: Storage, iteration: int) -> None:
                             "the legacy torch format (mp_rank_*/model_optim_rng.pt); save with "
                             "--ckpt-format torch_dist")
     try:
-        meta = json.loads(storage.read_bytes(join(d, "metadata.json")))
+        meta = json.loads(storage.read_bytes(join(d, "metadata.json"), limit=SMALL_FILE_CAP))
     except FileNotFoundError:
         meta = {}
     except ValueError as e:
@@ -368,7 +374,7 @@ def tracker_problems(storage: Storage) -> list[str]:
     """Megatron's pointer must name an iteration that exists."""
     try:
         require_save_dir(storage)
-    except (CheckpointNotFoundError, ManifestError) as e:
+    except (CheckpointNotFoundError, ManifestError, UnsafePathError) as e:  # a linked or FIFO tracker too
         return [str(e)]
     return []
 

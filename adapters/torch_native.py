@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
+import pickle
 import re
+import struct
 import warnings
 import weakref
+import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,8 +54,10 @@ from resume.errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from resume.manifest import MANIFEST_NAME
 from resume.schedule import describe_callable, describe_lr_schedule, is_lr_schedule, lr_schedule_values
-from resume.storage import Storage
+from resume.storage import MANIFEST_CAP, Storage
+from resume.text import clip
 
 from . import jsonstate
 from .data import check_loader, load_loader_state, loader_state
@@ -277,6 +283,7 @@ class NativeTorchAdapter(Adapter):
         self._applied: list[list[float] | None] = [None] * len(self.optimizers)
         self._internal_step = False
         self._staged_state: Any = None  # the last staged copy, reused by the next (stage_shards)
+        self._checked_metadata: tuple | None = None  # (step_dir, bytes, recorded, Metadata): shard_problems'
         for i, opt in enumerate(self.optimizers):
             opt.register_step_pre_hook(self._make_lr_recorder(i))
             opt.register_step_post_hook(self._make_step_counter(i))
@@ -645,11 +652,41 @@ class NativeTorchAdapter(Adapter):
         return [_fingerprint_states(states) for states in per_optimizer]
 
     def load_shards(self, storage: Storage, step_dir: str) -> None:
-        # Refuse a hostile .metadata here, with our error, before DCP sees it
-        # (the reader below checks again, for the read it actually loads).
-        metadata_path = f"{step_dir}/.metadata"
-        metadata = restricted_load_metadata(self._read_on_rank0(storage, metadata_path),
-                                            source=storage.url(metadata_path))
+        try:
+            self._load_shards(storage, step_dir)
+        except (ResumeError, MemoryError):
+            raise
+        except _DAMAGE as e:  # what a damaged file makes torch or DCP raise outside dcp.load
+            raise CorruptCheckpointError(f"{storage.url(step_dir)}: loading the shards failed: "
+                                         f"{type(e).__name__}: {clip(str(e), 300)}") from e
+
+    def shard_problems(self, storage: Storage, step_dir: str) -> list[str]:
+        """DCP's .metadata unpickled and checked in shape and bounds against the manifest; kept
+        for the load that follows (read and unpickled once per restore)."""
+        self._checked_metadata = None
+        try:
+            data, recorded = self._read_metadata_and_record(storage, step_dir)
+            metadata = self._parse_metadata(storage, step_dir, data, recorded)
+        except UnsafeCheckpointError:
+            raise  # code in a checkpoint: refused loudly, not passed over
+        except CorruptCheckpointError as e:
+            return [str(e)]
+        self._checked_metadata = (step_dir, data, recorded, metadata)
+        return []
+
+    def _parse_metadata(self, storage: Storage, step_dir: str, data: bytes, recorded: dict) -> Any:
+        checked = self._checked_metadata
+        if checked is not None and checked[0] == step_dir and checked[1] is data:
+            return checked[3]
+        return restricted_load_metadata(data, source=storage.url(f"{step_dir}/.metadata"),
+                                        file_sizes=recorded["sizes"], compression=recorded["compression"])
+
+    def _load_shards(self, storage: Storage, step_dir: str) -> None:
+        # Refuse a hostile .metadata here, with our error, before DCP sees it: its shape and
+        # bounds checked against the manifest's files (the one reader below loads it).
+        data, recorded = self._read_on_rank0(storage, step_dir)
+        metadata = self._parse_metadata(storage, step_dir, data, recorded)
+        self._checked_metadata = None
         saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
                       for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
         # A fresh optimizer has no state; DCP needs tensors to load into, so it
@@ -662,6 +699,7 @@ class NativeTorchAdapter(Adapter):
             del state["optim"]["state"][fqn]
         reader = make_reader(storage, step_dir)
         reader.preloaded_metadata = metadata  # parsed once above, not read again by every rank
+        reader.compressed = recorded["compression"] == "zstd"
         try:
             with _quiet_single_process():
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
@@ -679,17 +717,29 @@ class NativeTorchAdapter(Adapter):
             if opt not in saved_optimizers:
                 opt.state.clear()
 
-    def _read_on_rank0(self, storage: Storage, path: str) -> bytes:
-        """A small file every rank needs, read once (rank 0) and broadcast: thousands of ranks
-        never open the same file of a parallel file system or an object store."""
-        def read() -> bytes:
-            try:
-                return storage.read_bytes(path)
-            except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
-                kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
-                raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
-                           f"{type(e).__name__}: {e}") from e
+    def _read_on_rank0(self, storage: Storage, step_dir: str) -> tuple[bytes, dict]:
+        """DCP's metadata and what the manifest records about the shards (file sizes, the
+        compression), read once (rank 0) and broadcast: thousands of ranks never open the
+        same file of a parallel file system or an object store."""
+        def read() -> tuple[bytes, dict]:
+            checked = self._checked_metadata  # read by shard_problems (this rank 0) just before
+            if checked is not None and checked[0] == step_dir:
+                return checked[1], checked[2]
+            return self._read_metadata_and_record(storage, step_dir)
         return Collective(self.comm).on_rank0(read)
+
+    def _read_metadata_and_record(self, storage: Storage, step_dir: str) -> tuple[bytes, dict]:
+        path = f"{step_dir}/.metadata"
+        recorded = _recorded_for_shards(storage, step_dir)
+        limit = (recorded["sizes"] or {}).get(".metadata")
+        try:
+            return storage.read_bytes(path, limit=limit), recorded
+        except CorruptCheckpointError:
+            raise
+        except OSError as e:  # missing: the checkpoint is damaged; else storage trouble
+            kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
+            raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
+                       f"{type(e).__name__}: {clip(str(e))}") from e
 
     def _fqns_per_optimizer(self) -> list[set[str]]:
         """The checkpoint names (FQNs) of each optimizer's parameters."""
@@ -698,7 +748,36 @@ class NativeTorchAdapter(Adapter):
                 for opt in self.optimizers]
 
     def topology(self) -> dict:
-        return {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
+        topology: dict = {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
+        if self.compression is not None:
+            # What a restore honours: a compression transform in .metadata counts only when
+            # the manifest records it (dcp_safe.SafeFileSystemReader.compressed).
+            topology["compression"] = self.compression
+        return topology
+
+
+_DAMAGE = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
+           EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError)
+
+
+def _recorded_for_shards(storage: Storage, step_dir: str) -> dict:
+    """From the step's manifest (already verified by the restore's choice): each file's size,
+    which bounds every item of .metadata, and the compression the save used, the only
+    transform a load honours. A manifest without them (another layout): no bounds, no
+    compression."""
+    path = f"{step_dir}/{MANIFEST_NAME}"
+    try:
+        body = json.loads(storage.read_bytes(path, limit=MANIFEST_CAP))
+    except FileNotFoundError:
+        return {"sizes": None, "compression": None}
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{storage.url(path)}: expected JSON, actual {clip(str(e))}") from e
+    files = body.get("files") if isinstance(body, dict) else None
+    topology = body.get("topology") if isinstance(body, dict) else None
+    sizes = {rel: entry["size"] for rel, entry in files.items()
+             if isinstance(entry, dict) and type(entry.get("size")) is int} if isinstance(files, dict) else None
+    compression = topology.get("compression") if isinstance(topology, dict) else None
+    return {"sizes": sizes, "compression": compression if compression in ("zstd",) else None}
 
 
 # Param-group keys that are not training settings: the parameters, the LR itself (moved by

@@ -174,6 +174,14 @@ class Adapter(ABC):
     def load_shards(self, storage: Storage, step_dir: str) -> None:
         """Collective. Load the sharded state written by ``save_shards``."""
 
+    def shard_problems(self, storage: Storage, step_dir: str) -> list[str]:
+        """Rank 0 only, during the restore's choice (``verify_on_restore``), before
+        ``load_shards``: what makes the step's shards unloadable that checksums cannot see (a
+        framework's metadata file of the wrong shape or bounds). Each problem passes the
+        checkpoint over, like a bad checksum; a file that tries to run code
+        (UnsafeCheckpointError) and storage errors raise instead. Default: none."""
+        return []
+
     def prepare_load(self) -> object:
         """Local (no collectives; may run while another thread reads files): make the live
         objects ready to be loaded into, e.g. create a fresh optimizer's state. Returns what

@@ -31,12 +31,15 @@ from .errors import (
     EXIT_PROBLEM,
     CheckpointNotFoundError,
     ResumeError,
+    UnsafePathError,
     UsageError,
 )
 from .lease import read_holder
 from .manifest import Manifest
 from .run import CheckResult, Run
 from .state import TrainState
+from .storage import SMALL_FILE_CAP
+from .text import short
 
 __all__ = ["cli", "main"]
 
@@ -106,7 +109,8 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
     """Ask a running job to checkpoint at its next iteration boundary; wait for the commit.
 
     Exits 0 with the committed step, 1 if the save failed, 4 on timeout (the
-    request is then withdrawn), 3 if RUN does not exist.
+    request is then withdrawn), 3 if RUN does not exist. An answer that is not the job's
+    for this request, or names a step that is not committed, is ignored with a warning.
     """
     from .control import post_save_request, wait_for_answer
 
@@ -120,7 +124,9 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
                        err=True, nl=False)
 
     try:
-        step = wait_for_answer(run, request, timeout=timeout, on_wait=on_wait)
+        # An answer counts only for a step the run holds committed (one may be forged).
+        step = wait_for_answer(run, request, timeout=timeout, on_wait=on_wait,
+                               check=lambda step: Run.open(run_url).check(step))
     finally:
         if show:
             click.echo("", err=True)
@@ -165,7 +171,8 @@ def _semantic_problems(run: Run, result: CheckResult) -> list[str]:
 
 
 def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
-    """Deep: DCP's pickled .metadata must parse with the restricted unpickler."""
+    """Deep: DCP's pickled .metadata must parse with the restricted unpickler and hold what DCP
+    puts there, every item inside the files the manifest lists."""
     if result.manifest is None or ".metadata" not in result.manifest.files:
         return []
     try:
@@ -174,7 +181,10 @@ def _check_dcp_metadata(run: Run, result: CheckResult) -> list[str]:
         return []
     path = run.step_path(result.step, ".metadata")
     try:
-        restricted_load_metadata(run.storage.read_bytes(path), source=run.storage.url(path))
+        data = run.storage.read_bytes(path, limit=result.manifest.files[".metadata"].size)
+        sizes = {rel: entry.size for rel, entry in result.manifest.files.items()}
+        restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes,
+                                 compression=result.manifest.topology.get("compression"))
     except ResumeError as e:
         return [str(e)]
     return []
@@ -250,10 +260,14 @@ def _steps_to_check(run: Run, step: int | None) -> list[int]:
 
 def _checkpoint_problems(run: Run, result: CheckResult, *, deep: bool) -> list[str]:
     """What verify adds to the commit check of a committed checkpoint: the schedule's sanity,
-    DCP's metadata (``deep``), and what the layout's framework says against the manifest."""
+    DCP's metadata and every rank state file in shape and bounds (``deep``), and what the
+    layout's framework says against the manifest."""
     problems = _semantic_problems(run, result)
     if deep:
-        problems += _check_dcp_metadata(run, result)
+        from .restore import rank_state_problems
+
+        assert result.manifest is not None
+        problems += _check_dcp_metadata(run, result) + rank_state_problems(run, result.manifest)
     return problems + run.layout.extra_problems(run, result)
 
 
@@ -267,7 +281,8 @@ def _report(run: Run, verdict: _Verdict) -> int:
 @cli.command()
 @click.argument("run_url", metavar="RUN")
 @click.option("--step", type=click.IntRange(min=0), default=None, help="Verify only this step.")
-@click.option("--deep", is_flag=True, help="Also read every file and compare its xxh3 checksum.")
+@click.option("--deep", is_flag=True, help="Also read every file and compare its xxh3 checksum; check "
+              "DCP's .metadata and the rank state files in shape and bounds.")
 @json_option
 @command
 def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
@@ -321,13 +336,16 @@ def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], l
     assert name is not None
     source = run.storage.url(name)
     try:
-        text = run.storage.read_bytes(name).decode(errors="replace").strip()
+        # Capped and never through a link: a LATEST linked to a secret is refused, not quoted.
+        text = run.storage.read_bytes(name, limit=SMALL_FILE_CAP).decode(errors="replace").strip()
     except FileNotFoundError:
         return [], []
+    except UnsafePathError as e:
+        return [str(e)], []
     except OSError as e:
-        return [f"{source}: expected a readable file, actual {type(e).__name__}: {e}"], []
+        return [f"{source}: expected a readable file, actual {type(e).__name__}: {short(str(e))}"], []
     if not (text.isascii() and text.isdigit()):
-        return [f"{source}: expected a step number, actual {text!r:.60}"], []
+        return [f"{source}: expected a step number, actual {short(text, 60)}"], []
     latest = int(text)
     named = run.dirname(latest)
     expected = f"{source}: names {named}: expected a committed checkpoint, actual"

@@ -16,6 +16,7 @@ from typing import Any
 
 from .checksum import digest_parts
 from .errors import ContinuityError, ManifestError
+from .text import short
 
 __all__ = ["Expectation", "compare", "compare_config", "merge_batch_descriptions"]
 
@@ -74,7 +75,7 @@ def _check_shape(data: dict, source: str) -> None:
     """The types the comparison and the CLI rely on; a hand-edited manifest fails here."""
     def bad(field_name: str, expected: str) -> ManifestError:
         return ManifestError(f"{source}: expectation.{field_name}: expected {expected}, "
-                             f"actual {data.get(field_name)!r:.80}")
+                             f"actual {short(data.get(field_name), 80)}")
 
     lr = data["lr_ahead"]
     if not (isinstance(lr, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in lr)):
@@ -123,11 +124,6 @@ def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]]) -> dict | No
     return {"ids": ids, "digest": digest_parts(f"{i}:{d}" for i, d in pairs), "samples": len(ids)}
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _first_difference(a: list, b: list) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -146,7 +142,7 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
         for i, (e, a) in enumerate(zip(expected.schedule, actual.schedule)):
             for key in sorted(set(e) | set(a)):
                 if e.get(key) != a.get(key):
-                    raise ContinuityError(f"schedule[{i}].{key}", _short(e.get(key)), _short(a.get(key)),
+                    raise ContinuityError(f"schedule[{i}].{key}", short(e.get(key)), short(a.get(key)),
                                           "the scheduler was rebuilt with another configuration")
         raise ContinuityError("schedule", f"{len(expected.schedule)} schedulers",
                               f"{len(actual.schedule)} schedulers")
@@ -161,7 +157,7 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
                               "the learning-rate schedule does not continue where it stopped")
     if not resized and expected.rng != actual.rng:
         k = _first_difference(expected.rng, actual.rng)
-        raise ContinuityError(f"rng (rank {k})", _short(expected.rng), _short(actual.rng),
+        raise ContinuityError(f"rng (rank {k})", short(expected.rng), short(actual.rng),
                               "a generator was re-seeded or not restored")
     _compare_batch(expected.next_batch, actual.next_batch)
 
@@ -232,10 +228,10 @@ def _compare_batch(expected: dict | None, actual: dict | None) -> None:
         # with is the loader's business (a new epoch, a new shuffle).
         return
     if actual is None:
-        raise ContinuityError("next_batch", _short(expected), "end of data",
+        raise ContinuityError("next_batch", short(expected), "end of data",
                               "the data stream ended where it had more")
     if expected["ids"] != actual["ids"]:
-        raise ContinuityError("next_batch.ids", _short(expected["ids"], 80), _short(actual["ids"], 80),
+        raise ContinuityError("next_batch.ids", short(expected["ids"], 80), short(actual["ids"], 80),
                               "the data stream does not continue where it stopped")
     if expected["digest"] != actual["digest"]:
         raise ContinuityError("next_batch.digest", expected["digest"], actual["digest"],
@@ -245,4 +241,4 @@ def _compare_batch(expected: dict | None, actual: dict | None) -> None:
 def compare_config(expected: dict, actual: dict, *, source: str = "config") -> None:
     for key in sorted(set(expected) | set(actual)):
         if expected.get(key) != actual.get(key):
-            raise ContinuityError(f"{source}.{key}", _short(expected.get(key)), _short(actual.get(key)))
+            raise ContinuityError(f"{source}.{key}", short(expected.get(key)), short(actual.get(key)))

@@ -68,6 +68,24 @@ class CorruptCheckpointError(ResumeError, RuntimeError):
     exit_code = EXIT_PROBLEM
 
 
+class UnsafePathError(CorruptCheckpointError, OSError):
+    """A path in a run that must not be read, written or deleted through: a symbolic link (at
+    any component below the run's root), a FIFO, a device or socket, a path leading outside the
+    run, or a file larger than the cap its reader set.
+
+    Damage, not an outage: it subclasses ``CorruptCheckpointError`` (exit 1; restore passes over
+    the checkpoint holding it), and ``OSError`` so that code handling a file it cannot read
+    handles this one too. Storage never retries it (``storage.is_transient``) and the commit
+    check never reports it as ``unreadable`` (``storage.is_damage``).
+    """
+
+    exit_code = EXIT_PROBLEM
+
+
+class OversizedFileError(UnsafePathError):
+    """A file larger than the cap its reader set (``Storage.read_bytes(limit=...)``)."""
+
+
 class InvariantError(ResumeError, RuntimeError):
     """The counters contradict each other or the optimizer/scheduler."""
 

@@ -14,6 +14,13 @@ assumed to agree within a fraction of it), or the holder is a process on this
 host that no longer exists. A requeued copy of the same job (the same job id)
 takes over its own lease at once.
 
+The file is untrusted input like everything in a run: it is read capped and
+never blocking (a FIFO or a link in its place is no lease), and a lease that
+would lock the run out for good is stale with a warning: a heartbeat more than
+``ttl_s`` in the future (a host whose clock is wrong), a ``ttl_s`` above
+``MAX_TTL_S``, or a pid no process can have (above ``PID_MAX``), which on this
+host is "not this process".
+
 The job id is the caller's: the adapter's ``job_id``, which the cluster layer
 reads from the cluster's environment (``resume.cluster.environment``: Slurm's job
 id, torchrun's run id, both kept across restarts); else ``RESUME_JOB_ID``; else
@@ -39,15 +46,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import LeaseLostError, RunBusyError
+from .errors import LeaseLostError, RunBusyError, UsageError
+from .storage import SMALL_FILE_CAP, is_damage
 
-__all__ = ["JOB_ID_ENV", "LEASE_NAME", "Holder", "Lease", "pid_namespace", "read_holder"]
+__all__ = ["JOB_ID_ENV", "LEASE_NAME", "MAX_TTL_S", "Holder", "Lease", "pid_namespace", "read_holder"]
 
 log = logging.getLogger("resume")
 
 LEASE_NAME = "lease.json"
 JOB_ID_ENV = "RESUME_JOB_ID"
 """Set by hand, it names the job for the lease whatever the cluster says."""
+
+MAX_TTL_S = 86400.0
+"""The longest lease ttl (one day): a longer one would lock a run for that long after its
+holder died. Our own is refused above it; a foreign lease beyond it is stale."""
+
+PID_MAX = 1 << 22
+"""Linux's largest possible pid (PID_MAX_LIMIT); a larger one is no process."""
 
 
 def pid_namespace() -> int | None:
@@ -71,13 +86,20 @@ class Holder:
     process only in the same namespace (containers on one host share its name)."""
 
     def describe(self, now: float) -> str:
+        age = now - self.heartbeat_at
+        heartbeat = f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future"
         return (f"job {self.job_id} (host {self.host}, pid {self.pid}), heartbeat "
-                f"{max(0.0, now - self.heartbeat_at):.0f} s ago, stale after {self.ttl_s:g} s")
+                f"{heartbeat}, stale after {self.ttl_s:g} s")
 
     def stale_because(self, now: float, *, host: str) -> str | None:
         """Why this lease may be taken over, or None while its holder is alive."""
+        if self.ttl_s > MAX_TTL_S:
+            return f"ttl {self.ttl_s:g} s, above the longest allowed, {MAX_TTL_S:g} s"
         if now - self.heartbeat_at > self.ttl_s:
             return f"heartbeat {now - self.heartbeat_at:.0f} s old (ttl {self.ttl_s:g} s)"
+        if self.heartbeat_at - now > self.ttl_s:
+            return (f"heartbeat {self.heartbeat_at - now:.0f} s in the future: the holder's clock is "
+                    f"ahead of this host's by more than the ttl ({self.ttl_s:g} s)")
         if self.host == host and self.pid_namespace in (None, pid_namespace()) and not _pid_alive(self.pid):
             return f"process {self.pid} on this host is gone"
         return None
@@ -92,14 +114,17 @@ def read_holder(storage: Any) -> Holder | None:
     longer its own at its next heartbeat or commit and stops before committing.
     """
     try:
-        body = json.loads(storage.read_bytes(LEASE_NAME))
+        body = json.loads(storage.read_bytes(LEASE_NAME, limit=SMALL_FILE_CAP))
         holder = Holder(**{k: body[k] for k in Holder.__dataclass_fields__ if k != "pid_namespace"},
                         pid_namespace=body.get("pid_namespace"))
         _check_fields(holder)
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, KeyError) as e:
-        log.warning("resume: %s: unreadable lease, treated as none: %s", storage.url(LEASE_NAME), e)
+    except (ValueError, TypeError, KeyError, RecursionError, OSError) as e:
+        if isinstance(e, OSError) and not is_damage(e):
+            raise  # storage trouble, not a damaged lease
+        log.warning("resume: %s: unreadable lease, treated as none: %s: %s", storage.url(LEASE_NAME),
+                    type(e).__name__, str(e)[:200])
         return None
     return holder
 
@@ -127,9 +152,11 @@ def _check_fields(holder: Holder) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid <= PID_MAX:
+        return False  # no process has it: "not this process", never an OverflowError from kill
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
@@ -141,8 +168,8 @@ class Lease:
 
     def __init__(self, storage: Any, *, ttl_s: float = 120.0, job_id: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl: expected > 0 s, actual {ttl_s}")
+        if not 0 < ttl_s <= MAX_TTL_S:  # NaN too
+            raise UsageError(f"lease ttl: expected > 0 s and <= {MAX_TTL_S:g} s, actual {ttl_s}")
         self.storage = storage
         self.ttl_s = ttl_s
         self.clock = clock

@@ -14,9 +14,11 @@ After the first update, ``check_first_update`` confirms the LR actually applied.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +28,22 @@ from .collective import Collective
 from .commit import rank_state_name
 from .config import CoordinatorConfig
 from .continuity import Expectation, compare, compare_config
-from .errors import ContinuityError, ManifestError, NoValidCheckpointError
+from .errors import (
+    ContinuityError,
+    CorruptCheckpointError,
+    ManifestError,
+    NoValidCheckpointError,
+    ResumeError,
+)
 from .manifest import Manifest
-from .rng import RngRegistry
+from .rng import RngRegistry, check_state
 from .run import CheckResult, Run
 from .state import TrainState
 from .storage import join
+from .text import clip, short
 
-__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs", "verify_share"]
+__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs", "check_rank_state",
+           "rank_state_problems", "read_rank_state", "verify_share"]
 
 log = logging.getLogger("resume")
 
@@ -59,6 +69,7 @@ class Restorer:
         self.rng = rng
         self.accept = accept
         self.prepared: tuple[Any] | None = None  # what adapter.prepare_load() returned
+        self._rank_state: tuple[int, dict] | None = None  # (step, this rank's state), checked
 
     # -- choosing -------------------------------------------------------------------------------
 
@@ -80,6 +91,9 @@ class Restorer:
             if manifest is None:
                 break
             problems = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
+            if self.settings.verify_on_restore and not problems:
+                problems = self._rank_state_problems(manifest) or self.coll.on_rank0(
+                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step)))
             if problems:
                 broken.append((manifest.step, "; ".join(problems)))
                 below = manifest.step
@@ -171,14 +185,15 @@ class Restorer:
 
         def load_local() -> None:
             # Data before RNG: a restored loader must not draw from the restored generators.
-            self.adapter.load_state_dict(rank_state["adapter"])
-            self.adapter.load_data_state(rank_state["data"])
-            self.rng.restore(rank_state["rng"])
+            with _damage_as_corrupt(f"{self.run.storage.url(step_dir)}: rank state"):
+                self.adapter.load_state_dict(rank_state["adapter"])
+                self.adapter.load_data_state(rank_state["data"])
+                self.rng.restore(rank_state["rng"])
             if accepted:
                 self.adapter.apply_changes([c.item for c in accepted], code_settings)
         # A refusal on one rank (a loader state it cannot take) is raised on every rank.
         self.coll.each(load_local, f"restore of {step_dir}")
-        self.prepared = None
+        self.prepared = self._rank_state = None
 
     def _check_settings(self, expected: Expectation, declared_schedule: list[dict]) -> list[Change]:
         """Structure and settings of the code against the checkpoint: a structure mismatch or a
@@ -200,20 +215,97 @@ class Restorer:
         return changes
 
     def _read_rank_state(self, manifest: Manifest, saved_world: int) -> dict:
-        step_dir = self.run.dirname(manifest.step)
+        """This rank's state file, read no further than the manifest's size and checked in shape
+        and bounds (``check_rank_state``) before anything uses it; read once per restore."""
+        if self._rank_state is not None and self._rank_state[0] == manifest.step:
+            return self._rank_state[1]
         own = rank_state_name(self.coll.rank if self.coll.rank < saved_world else 0)
         if own not in manifest.files:
-            raise ManifestError(f"{self.run.storage.url(join(step_dir, 'manifest.json'))}: "
+            raise ManifestError(f"{self.run.storage.url(join(self.run.dirname(manifest.step), 'manifest.json'))}: "
                                 f"files: expected an entry for {own}, actual missing")
-        url = self.run.storage.url(join(step_dir, own))
-        try:
-            rank_state = json.loads(self.run.storage.read_bytes(join(step_dir, own)))
-        except ValueError as e:
-            raise ManifestError(f"{url}: expected JSON, actual {e}") from e
-        missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
-        if missing:
-            raise ManifestError(f"{url}: expected fields rng, data, adapter, actual missing {sorted(missing)}")
+        rank_state = read_rank_state(self.run, manifest, own)
+        self._rank_state = (manifest.step, rank_state)
         return rank_state
+
+    def _rank_state_problems(self, manifest: Manifest) -> list[str]:
+        """Part of the choice's verification: every rank reads and checks its own state file,
+        so a malformed one is passed over like a bad checksum (storage errors still raise)."""
+        def check() -> list[str]:
+            try:
+                self._read_rank_state(manifest, int(manifest.topology.get("world_size", 1)))
+            except (CorruptCheckpointError, ManifestError) as e:
+                return [str(e)]
+            return []
+        found = self.coll.each(check, f"rank state check of {self.run.dirname(manifest.step)}")
+        return [problem for problems in found for problem in problems]
+
+
+def read_rank_state(run: Run, manifest: Manifest, rel: str) -> dict:
+    """The rank state file ``rel`` of ``manifest``'s step, read no further than its listed size,
+    parsed (NaN and Infinity refused) and checked (``check_rank_state``)."""
+    path = join(run.dirname(manifest.step), rel)
+    url = run.storage.url(path)
+    text = run.storage.read_bytes(path, limit=manifest.files[rel].size)
+    try:
+        rank_state = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{url}: expected JSON, actual nested too deep") from e
+    except ValueError as e:
+        raise ManifestError(f"{url}: expected JSON, actual {clip(str(e), 200)}") from e
+    check_rank_state(rank_state, source=url)
+    return rank_state
+
+
+def rank_state_problems(run: Run, manifest: Manifest) -> list[str]:
+    """``verify --deep``: every rank state file of the checkpoint read and checked as a restore
+    will (one problem per bad file; storage errors raise)."""
+    problems = []
+    for rel in sorted(manifest.files):
+        if _RANK_STATE_FILE.fullmatch(rel):
+            try:
+                read_rank_state(run, manifest, rel)
+            except (CorruptCheckpointError, ManifestError) as e:
+                problems.append(str(e))
+    return problems
+
+
+_RANK_STATE_FILE = re.compile(r"rank-\d{5,}\.json")
+_RANK_STATE_DEPTH = 64
+_RANK_STATE_INT = 2**128
+"""Integers of a rank state (a numpy PCG64 state holds 128-bit ones)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def check_rank_state(rank_state: Any, *, source: str) -> None:
+    """A rank state file's shape and bounds: an object with ``rng``, ``data`` and ``adapter``;
+    no value nested deeper than 64 levels; integers below 2**128; the generators' states as
+    ``rng.check_state`` wants them. ManifestError for missing fields (as before),
+    CorruptCheckpointError naming ``source`` and the field for the rest."""
+    missing = {"rng", "data", "adapter"} - set(rank_state if isinstance(rank_state, dict) else ())
+    if missing:
+        raise ManifestError(f"{source}: expected fields rng, data, adapter, actual missing {sorted(missing)}")
+    pending: list[tuple[Any, str, int]] = [(rank_state, "", 0)]
+    while pending:
+        value, field, depth = pending.pop()
+        if depth > _RANK_STATE_DEPTH:
+            raise CorruptCheckpointError(f"{source}: {field}: expected at most {_RANK_STATE_DEPTH} "
+                                         "levels of nesting, actual more")
+        if isinstance(value, dict):
+            # JSON keys are strings: named as they are, or cut short.
+            pending.extend((v, f"{field}.{k if len(k) <= 40 else short(k, 40)}".lstrip("."), depth + 1)
+                           for k, v in value.items())
+        elif isinstance(value, list):
+            pending.extend((v, f"{field}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif type(value) is int and not -_RANK_STATE_INT < value < _RANK_STATE_INT:
+            raise CorruptCheckpointError(f"{source}: {field}: expected an integer below 2**128, "
+                                         f"actual {short(value)}")
+    check_state(rank_state["rng"], source=source)
+    for name in ("adapter",):
+        if not isinstance(rank_state[name], dict):
+            raise CorruptCheckpointError(f"{source}: {name}: expected an object, actual {short(rank_state[name])}")
 
 
 def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
@@ -238,6 +330,18 @@ def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
     found = coll.each(verify if alongside is None else verify_beside,
                       "checksum verification")
     return [problem for problems in found for problem in problems]
+
+
+@contextlib.contextmanager
+def _damage_as_corrupt(where: str) -> Iterator[None]:
+    """What a well-formed but wrong rank state makes a loader or generator raise (a NaN
+    offset's ValueError, an OverflowError) is the documented CorruptCheckpointError."""
+    try:
+        yield
+    except (ResumeError, MemoryError):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {clip(str(e), 200)}") from e
 
 
 def _sort_rejected(rejected: list[CheckResult], broken: list, torn: list) -> None:

@@ -40,11 +40,12 @@ from .errors import (
     NoValidCheckpointError,
     RunNotFoundError,
     StorageError,
+    UnsafePathError,
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
 from .state import TrainState
-from .storage import Storage, join, open_storage
+from .storage import MANIFEST_CAP, SMALL_FILE_CAP, Storage, is_damage, join, open_storage
 
 __all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
            "parse_step_dirname", "register_layout", "step_dirname"]
@@ -138,6 +139,21 @@ class _Unreadable(Exception):
     """A listing storage refused (not damage)."""
 
 
+def _can_heal(e: BaseException) -> bool:
+    """Storage trouble that may pass (EIO, timeouts, 5xx, access denied): restore stops and
+    says "try again". Everything else read from a checkpoint is damage: restore falls back."""
+    return isinstance(e, OSError) and not is_damage(e)
+
+
+def _problem(source: str, expected: str, e: BaseException) -> str:
+    """A problem line for an error met reading ``source``; the error's own message is capped,
+    as it may quote what it read."""
+    if isinstance(e, UnsafePathError):
+        return str(e)
+    message = "".join(c if c.isprintable() else "?" for c in str(e)[:200])
+    return f"{source}: expected {expected}, actual {type(e).__name__}: {message}"
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
@@ -155,8 +171,10 @@ class CheckResult:
     finished. Not committed, but not damage either; a manifest that exists and
     is invalid, or lists files that are wrong, is damage."""
     unreadable: bool = False
-    """True when storage refused a read (EIO, EACCES, an outage): that says nothing about
-    the checkpoint, so restore must not pass over it or move it aside for that."""
+    """True when storage refused a read (EIO, EACCES, a timeout, an outage): that says nothing
+    about the checkpoint, so restore must not pass over it or move it aside for that. A link,
+    a FIFO or device, a directory, a loop or an over-long name where a checkpoint's file or
+    directory should be is damage instead (``storage.is_damage``): a problem, not this."""
 
     @property
     def committed(self) -> bool:
@@ -233,7 +251,7 @@ class Run:
         path = self.manifest_path(step)
         source = self.storage.url(path)
         try:
-            text = self.storage.read_bytes(path)
+            text = self.storage.read_bytes(path, limit=MANIFEST_CAP)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{source}: expected a manifest, actual missing "
                                           "(step not committed)") from e
@@ -257,13 +275,8 @@ class Run:
         except ManifestError as e:
             result.problems.append(str(e))
             return result
-        except (OSError, ValueError) as e:  # not a directory, unreadable, storage down
-            if not self.storage.isdir(self.dirname(step)):
-                result.has_manifest = False  # a stray file with a step's name: not a checkpoint
-            else:
-                result.unreadable = isinstance(e, OSError)
-            result.problems.append(f"{self.storage.url(self.dirname(step))}: expected a readable "
-                                   f"step directory, actual {type(e).__name__}: {e}")
+        except (OSError, ValueError) as e:  # a link, a special file, not a directory, storage down
+            self._unreadable_manifest(result, e)
             return result
         result.problems.extend(self._counter_problems(result.manifest))
         for rel, entry in sorted(result.manifest.files.items()):
@@ -275,9 +288,8 @@ class Run:
                 result.problems.append(f"{source}: expected a file of {entry.size} bytes, actual missing")
                 continue
             except (OSError, ValueError) as e:
-                result.unreadable = result.unreadable or isinstance(e, OSError)
-                result.problems.append(f"{source}: expected a readable file, actual "
-                                       f"{type(e).__name__}: {e}")
+                result.unreadable = result.unreadable or _can_heal(e)
+                result.problems.append(_problem(source, "a readable regular file", e))
                 continue
             if size != entry.size:
                 result.problems.append(f"{source}: size: expected {entry.size}, actual {size}")
@@ -290,6 +302,20 @@ class Run:
             result.unreadable = True
             result.problems.append(str(e))
         return result
+
+    def _unreadable_manifest(self, result: CheckResult, e: Exception) -> None:
+        """Why the manifest could not be read, sorted: damage (a link, a FIFO, a directory or a
+        loop where the manifest or step directory should be) is a broken checkpoint; a plain file
+        with a step's name is no checkpoint at all; only storage trouble is ``unreadable``."""
+        d = self.dirname(result.step)
+        if isinstance(e, UnsafePathError):
+            result.problems.append(str(e))
+            return
+        if not self.storage.isdir(d):
+            result.has_manifest = False  # a stray file with a step's name: not a checkpoint
+        else:
+            result.unreadable = _can_heal(e)
+        result.problems.append(_problem(self.storage.url(d), "a readable step directory", e))
 
     def _counter_problems(self, manifest: Manifest) -> list[str]:
         """Counters that contradict each other make the manifest invalid, so restore passes over it."""
@@ -312,8 +338,9 @@ class Run:
         try:
             names = self.storage.listdir(d)
         except (OSError, ValueError) as e:
-            problem = f"{self.storage.url(d)}: expected a listable step directory, actual {type(e).__name__}"
-            raise _Unreadable(f"{problem}: {e}") from e
+            if not _can_heal(e):
+                return [_problem(self.storage.url(d), "a listable step directory", e)]
+            raise _Unreadable(_problem(self.storage.url(d), "a listable step directory", e)) from e
         # d itself: an object store's "directory marker" object lists as an entry of its own.
         listed = {rel.split("/", 1)[0] for rel in manifest.files} | {self.layout.manifest_name, d}
         problems = []
@@ -346,10 +373,9 @@ class Run:
                                 "actual missing")
                 continue
             except (OSError, ValueError) as e:
-                if raise_unreadable and isinstance(e, OSError):
+                if raise_unreadable and _can_heal(e):
                     raise
-                problems.append(f"{self.storage.url(path)}: expected a readable file, actual "
-                                f"{type(e).__name__}: {e}")
+                problems.append(_problem(self.storage.url(path), "a readable regular file", e))
                 continue
             if checksum != entry.checksum:
                 problems.append(f"{self.storage.url(path)}: checksum: expected {entry.checksum}, "
@@ -439,8 +465,8 @@ class Run:
         """The step the layout's pointer names: our LATEST, or the framework's own (a hint
         either way)."""
         try:
-            return int(self.storage.read_bytes(self.layout.pointer).decode().strip())
-        except (FileNotFoundError, ValueError):
+            return int(self.storage.read_bytes(self.layout.pointer, limit=SMALL_FILE_CAP).decode().strip())
+        except (FileNotFoundError, ValueError, UnsafePathError):  # a link or FIFO names nothing
             return None
 
     def delete_step(self, step: int) -> None:
@@ -454,8 +480,10 @@ class Run:
         name = f"quarantine-{self.dirname(step)}-{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%S}"
         if self.storage.exists(name):  # moved aside twice within a second: never merged
             name += f"-{_dt.datetime.now(_dt.UTC):%f}"
-        self.storage.rename(self.dirname(step), name)
+        self.storage.rename(self.dirname(step), name)  # a link is renamed itself, never its target
         log.warning("resume: moved broken %s to %s: %s", self.dirname(step), name, reason)
+        if not self.storage.isdir(name):
+            return name  # a link or a file in a step's place: nothing is written through it
         try:
             self.storage.write_bytes_atomic(join(name, "QUARANTINED.txt"), (reason + "\n").encode())
         except OSError as e:
@@ -502,7 +530,7 @@ class Run:
 
     def read_info(self) -> dict | None:
         try:
-            text = self.storage.read_bytes(RUN_INFO)
+            text = self.storage.read_bytes(RUN_INFO, limit=SMALL_FILE_CAP)
         except FileNotFoundError:
             return None
         source = self.storage.url(RUN_INFO)

@@ -6,8 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import InvariantError, ManifestError
+from .text import number, short
 
-__all__ = ["TrainState"]
+__all__ = ["COUNTER_LIMIT", "TrainState"]
+
+COUNTER_LIMIT = 2**63
+"""Counters read from a file are below this (an int64): a larger one is damage, and a
+4,000-digit one would make every message that prints it fail."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,17 +51,17 @@ class TrainState:
         for name in ("iteration", "samples_read", "updates_successful", "updates_skipped"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise InvariantError(f"{where}: {name}: expected a non-negative integer, actual {value!r}")
+                raise InvariantError(f"{where}: {name}: expected a non-negative integer, actual {short(value)}")
         total = self.updates_successful + self.updates_skipped
         if self.iteration != total:
             raise InvariantError(
-                f"{where}: iteration: expected updates_successful + updates_skipped = {total}, "
-                f"actual {self.iteration}")
+                f"{where}: iteration: expected updates_successful + updates_skipped = {number(total)}, "
+                f"actual {number(self.iteration)}")
         if global_batch is not None and self.samples_read != self.iteration * global_batch:
             raise InvariantError(
                 f"{where}: samples_read: expected iteration x global_batch = "
-                f"{self.iteration} x {global_batch} = {self.iteration * global_batch}, "
-                f"actual {self.samples_read}")
+                f"{number(self.iteration)} x {number(global_batch)} = "
+                f"{number(self.iteration * global_batch)}, actual {number(self.samples_read)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,7 +81,7 @@ class TrainState:
         for name, value in data.items():
             if value is None and name in optional:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < COUNTER_LIMIT:
                 raise ManifestError(f"{source}: train_state.{name}: expected a non-negative "
-                                    f"integer, actual {value!r}")
+                                    f"integer below 2**63, actual {short(value)}")
         return cls(**data)

@@ -5,31 +5,71 @@ Paths are ``str`` relative to the root, joined with ``/`` (pathlib mangles
 atomic writes); everything else goes through fsspec, with tenacity retries
 around transient errors. Missing files raise ``FileNotFoundError`` untouched,
 so callers can tell "not there" from "storage broken".
+
+Every file under a run is untrusted input (DESIGN.md, Security): another job,
+another user or a broken host may have written it. So the primitives open
+regular files only, follow no symbolic link below the run's root (the root
+itself may be one: users point a run at a scratch directory), refuse a path
+that leaves the run (``..``), open without blocking (a FIFO is refused, never
+waited on) and check a file's size before reading it when the caller gives a
+``limit``. A refusal raises ``UnsafePathError``: a damaged checkpoint, never
+an outage (``is_damage``). ``delete`` and ``rename`` act on a symbolic link
+itself, never on what it points to.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
-import tempfile
+import stat
 from collections.abc import Callable
 from typing import IO, Protocol
 
 import tenacity
 
-from .errors import StorageAccessError, StorageError, UsageError
+from .errors import OversizedFileError, StorageAccessError, StorageError, UnsafePathError, UsageError
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "join", "open_storage"]
+__all__ = ["MANIFEST_CAP", "SMALL_FILE_CAP", "FsspecStorage", "LocalStorage", "Storage", "is_damage",
+           "join", "open_storage"]
 
 CHUNK = 8 << 20
+
+SMALL_FILE_CAP = 1 << 20
+"""The most bytes read from a run's small control files: LATEST, run.json, lease.json,
+control requests and answers, a rank's JSON state. Their real size is a few KiB."""
+
+MANIFEST_CAP = 64 << 20
+"""The most bytes read from a manifest (about 300,000 listed files)."""
 
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p not in ("", "."))
 
 
+# OSErrors that say a file or directory is damaged (or was replaced by something else), not
+# that storage is unreachable: a checkpoint holding one is passed over, never retried for.
+_DAMAGE_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ENXIO,
+                            errno.ENODEV, errno.EINVAL, errno.EFBIG, errno.EOVERFLOW, errno.ENOENT})
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether an error reading a checkpoint means the checkpoint is damaged (restore falls back)
+    rather than that storage failed (EIO, timeouts, 5xx, access denied: try again)."""
+    if isinstance(exc, UnsafePathError):
+        return True
+    if isinstance(exc, StorageError):
+        return False
+    return isinstance(exc, OSError) and exc.errno in _DAMAGE_ERRNOS
+
+
 class Storage(Protocol):
-    """What the core needs from storage. ``root`` is the run's URL or path."""
+    """What the core needs from storage. ``root`` is the run's URL or path.
+
+    ``read_bytes`` and ``open_read`` open regular files only; with ``limit``, a file larger
+    than ``limit`` bytes raises ``OversizedFileError`` before any of it is read. ``isdir``,
+    ``exists`` and ``listdir`` see a symbolic link as what it is, not as its target.
+    """
 
     root: str
 
@@ -38,7 +78,7 @@ class Storage(Protocol):
     def isdir(self, path: str) -> bool: ...
     def listdir(self, path: str) -> list[str]: ...
     def size(self, path: str) -> int: ...
-    def read_bytes(self, path: str) -> bytes: ...
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes: ...
     def open_read(self, path: str) -> IO[bytes]: ...
     def write_bytes_atomic(self, path: str, data: bytes) -> None: ...
     def makedirs(self, path: str) -> None: ...
@@ -52,8 +92,33 @@ class Storage(Protocol):
     def local_path(self, path: str) -> str | None: ...
 
 
+def check_size(url: str, size: int, limit: int | None) -> None:
+    """``OversizedFileError`` when ``size`` exceeds ``limit`` (None: no cap)."""
+    if limit is not None and size > limit:
+        raise OversizedFileError(f"{url}: size: expected at most {limit} bytes, actual {size} "
+                                 "(not read)")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class LocalStorage:
-    """A local or parallel file system (POSIX semantics)."""
+    """A local or parallel file system (POSIX semantics).
+
+    Every path is walked from the root one directory at a time (``O_NOFOLLOW``, ``dir_fd``),
+    so no symbolic link below the root is followed, whatever the component.
+    """
 
     def __init__(self, root: str) -> None:
         root = root.removeprefix("file://")
@@ -65,74 +130,228 @@ class LocalStorage:
     def local_path(self, path: str) -> str | None:
         return self.url(path)
 
+    # -- the walk: every component below the root, no symlink followed ----------------------
+
+    def _parts(self, path: str) -> list[str]:
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise UnsafePathError(f"{self.url(path)}: expected a path inside the run, actual one "
+                                  "with '..'")
+        return parts
+
+    def _open_parent(self, path: str, *, create: bool = False) -> tuple[int, str]:
+        """(an fd of the directory holding ``path``'s last component, that component); the
+        caller closes the fd. A symbolic link on the way raises UnsafePathError."""
+        parts = self._parts(path)
+        return self._open_dir(parts[:-1], create=create), (parts[-1] if parts else ".")
+
+    def _open_dir(self, parts: list[str], *, create: bool = False) -> int:
+        """An fd of the directory ``parts`` below the root (made with ``create``)."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root may be a link
+        for i, part in enumerate(parts):
+            fd = self._descend(fd, part, "/".join(parts[: i + 1]), create)  # closes the parent's fd
+        return fd
+
+    def _descend(self, fd: int, part: str, prefix: str, create: bool) -> int:
+        """The fd of directory ``part`` under ``fd``; ``fd`` is closed, whatever happens."""
+        try:
+            if create:
+                try:
+                    os.mkdir(part, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                self._refuse_odd(fd, part, prefix, "a directory")
+            raise
+        finally:
+            os.close(fd)
+        return child
+
+    def _refuse_odd(self, fd: int, name: str, path: str, expected: str) -> None:
+        """UnsafePathError if ``name`` (under ``fd``) is a symbolic link, a FIFO, a device or a
+        socket; else nothing (the caller raises its own error)."""
+        try:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        except OSError:
+            return
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsafePathError(f"{self.url(path)}: expected {expected}, actual {_kind(mode)} "
+                                  f"({'not followed' if stat.S_ISLNK(mode) else 'not read'})")
+
+    def _lstat(self, path: str) -> os.stat_result:
+        """The entry at ``path`` itself (a link is a link); UnsafePathError for a link on the way."""
+        if not self._parts(path):
+            return os.stat(self.root)
+        fd, name = self._open_parent(path)
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
+
+    def _open_file(self, path: str, limit: int | None = None) -> int:
+        """An fd of the regular file at ``path``, opened without blocking (a FIFO never waits)."""
+        fd, name = self._open_parent(path)
+        try:
+            try:
+                f = os.open(name, _FILE_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # ELOOP: a link; ENXIO: a socket
+                    self._refuse_odd(fd, name, path, "a regular file")
+                raise
+        finally:
+            os.close(fd)
+        try:
+            check_size(self.url(path), self._regular(path, os.fstat(f)), limit)
+            os.set_blocking(f, True)
+        except BaseException:
+            os.close(f)
+            raise
+        return f
+
+    # -- reading --------------------------------------------------------------------------
+
     def exists(self, path: str) -> bool:
-        return os.path.exists(self.url(path))
+        try:
+            self._lstat(path)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return False
+        return True
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(self.url(path))
+        """A real directory (a symbolic link to one is not)."""
+        try:
+            return stat.S_ISDIR(self._lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return False
 
     def listdir(self, path: str) -> list[str]:
-        return sorted(os.listdir(self.url(path)))
+        fd = self._open_dir(self._parts(path))
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     def size(self, path: str) -> int:
-        return os.stat(self.url(path)).st_size
+        """The size of the regular file at ``path`` (a link or special file is refused)."""
+        return self._regular(path, self._lstat(path))
 
-    def read_bytes(self, path: str) -> bytes:
-        with open(self.url(path), "rb") as f:
-            return f.read()
+    def _regular(self, path: str, st: os.stat_result) -> int:
+        """The size of a regular file; IsADirectoryError for a directory (damage, like ENOENT),
+        UnsafePathError for anything else."""
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "expected a regular file, actual a directory",
+                                    self.url(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{self.url(path)}: expected a regular file, actual "
+                                  f"{_kind(st.st_mode)} (not read)")
+        return st.st_size
+
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        fd = self._open_file(path, limit)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read() if limit is None else f.read(limit + 1)
+        check_size(self.url(path), len(data), limit)  # it grew after the fstat
+        return data
 
     def open_read(self, path: str) -> IO[bytes]:
         # Unbuffered (readers bring their own large buffers), read-ahead widened.
-        f = open(self.url(path), "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        f = os.fdopen(self._open_file(path), "rb", buffering=0)
         try:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError):
             pass
         return f  # type: ignore[return-value]
 
+    # -- writing --------------------------------------------------------------------------
+
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         # The rename is the commit point: a reader sees the old file or the
         # whole new one, never a prefix. fsync file, then the directory, so
-        # the rename survives a power loss.
-        target = self.url(path)
-        directory = os.path.dirname(target)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        # the rename survives a power loss. Parents are walked (and made) without
+        # following a link: nothing is written through one.
+        dfd, name = self._open_parent(path, create=True)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_dir(directory)
+            tmp = f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}"
+            fd = os.open(tmp, _NEW_FILE_FLAGS | os.O_EXCL, 0o600, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                _unlink_quietly(tmp, dfd)
+                raise
+            _fsync_fd(dfd)
+        finally:
+            os.close(dfd)
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(self.url(path), exist_ok=True)
+        os.close(self._open_dir(self._parts(path), create=True))
 
     def delete(self, path: str) -> None:
-        target = self.url(path)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        elif os.path.exists(target):
-            os.unlink(target)
+        """Remove the entry at ``path``: a directory with everything under it, a link as a link
+        (never what it points to). Missing is fine."""
+        try:
+            dfd, name = self._open_parent(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=dfd)  # fd-based: never follows a link inside
+            else:
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
 
     def rename(self, src: str, dst: str) -> None:
-        os.rename(self.url(src), self.url(dst))
+        """Rename the entry itself (a link stays a link; its target is untouched)."""
+        sfd, sname = self._open_parent(src)
+        try:
+            dfd, dname = self._open_parent(dst)
+            try:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
 
     def sync_dir(self, path: str) -> None:
         fsync_dir(self.url(path))
 
     def put_file(self, local: str, path: str) -> None:
-        target = self.url(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copyfile(local, target)
+        dfd, name = self._open_parent(path, create=True)
+        try:
+            fd = os.open(name, _NEW_FILE_FLAGS | os.O_TRUNC, 0o666, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with open(local, "rb") as src, os.fdopen(fd, "wb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK)
 
     def get_file(self, path: str, local: str) -> None:
-        shutil.copyfile(self.url(path), local)
+        with self.open_read(path) as src, open(local, "wb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK)
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _fsync_fd(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
 
 
 def fsync_dir(directory: str) -> None:
@@ -149,7 +368,7 @@ def fsync_dir(directory: str) -> None:
 
 
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-              FileExistsError)
+              FileExistsError, UnsafePathError)
 
 
 # CredentialRetrievalError (an instance metadata endpoint throttling thousands of
@@ -239,8 +458,16 @@ class FsspecStorage:
     def size(self, path: str) -> int:
         return int(self._call(self.fs.size, self.url(path)))
 
-    def read_bytes(self, path: str) -> bytes:
-        return self._call(self.fs.cat_file, self.url(path))
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        """An object store has no links or FIFOs; with ``limit`` the size is checked first and
+        no more than that size is fetched (a range past the end is an error on some servers)."""
+        if limit is None:
+            return self._call(self.fs.cat_file, self.url(path))
+        size = self.size(path)
+        check_size(self.url(path), size, limit)
+        if size == 0:
+            return self._call(self.fs.cat_file, self.url(path))
+        return self._call(self.fs.cat_file, self.url(path), start=0, end=size)
 
     def open_read(self, path: str) -> IO[bytes]:
         return self._call(self.fs.open, self.url(path), "rb")

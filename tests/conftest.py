@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import pytest
@@ -9,6 +10,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> str:
+    """A real run (one process, real DCP) with committed steps 2 and 4, LATEST naming 4: one per
+    module; tests damage their own copy (run_copy)."""
+    from support.workloads import trained
+
+    from resume.run import Run
+
+    run = str(tmp_path_factory.mktemp("trained") / "run")
+    trained(run, until=4, every=2)
+    assert Run.open(run).committed_steps() == [2, 4]
+    return run
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> str:
+    """This test's own copy of its module's trained_run."""
+    run = str(tmp_path / "run")
+    shutil.copytree(trained_run, run)
+    return run
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ from click.testing import CliRunner
 from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
 from support.checkpoints import flip_byte, write_checkpoint
 from support.cli import invoke
-from support.workloads import Setup, build, train, trained
+from support.workloads import Setup, build, train
 
 from resume import NoValidCheckpointError, Run
 from resume.cli import cli
@@ -39,21 +38,11 @@ SHARD = "__0_0.distcp"
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> str:
-    """A real run with committed steps 2 and 4 (LATEST names 4); copied per test."""
-    run = str(tmp_path_factory.mktemp("corruption") / "run")
-    trained(run, until=4, every=2)
-    assert Run.open(run).committed_steps() == [2, 4]
-    assert sorted(os.listdir(os.path.join(run, STEP4))) == [".metadata", SHARD, "manifest.json",
-                                                            "rank-00000.json"]
-    return run
-
-
-@pytest.fixture
-def run_copy(trained_run, tmp_path) -> str:
-    run = str(tmp_path / "run")
-    shutil.copytree(trained_run, run)
-    return run
+def trained_run(trained_run) -> str:
+    """conftest's run (steps 2 and 4, LATEST names 4), whose step 4 holds what the damage below expects."""
+    assert sorted(os.listdir(os.path.join(trained_run, STEP4))) == [".metadata", SHARD, "manifest.json",
+                                                                    "rank-00000.json"]
+    return trained_run
 
 
 # -- damage, the ways a crash, a bad disk or a tamperer does it ------------------------------------

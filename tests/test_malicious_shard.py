@@ -6,11 +6,12 @@ with its own ``data.pkl``. Here one item's archive is replaced by one whose
 the manifest's sizes and checksums are rewritten to match, so only the
 content check can refuse it. Each way a restore reads an item is covered:
 
-- a tensor, read by ``SafeFileSystemReader._read_tensors`` (local storage):
+- a tensor, read by ``SafeFileSystemReader._read_tensor`` on reader threads (local storage):
   first ``read_stored_tensor_into`` (its ``_RecordUnpickler``), then, since
   that declines, ``torch.load(weights_only=True)``;
-- a tensor, read by DCP's own ``FileSystemReader.read_data`` (one reader
-  thread, as for remote storage): ``torch.load(weights_only=True)``;
+- a tensor, read on one reader thread (as for remote storage): the same
+  ``SafeFileSystemReader._read_tensor`` (DCP's own ``read_data`` is never used:
+  it would decompress and inflate without bounds);
 - a non-tensor item (an optimizer hyperparameter, which DCP torch.saves):
   ``SafeLoadPlanner.load_bytes``: ``torch.load(weights_only=True)``.
 
@@ -174,8 +175,8 @@ class _Spy:
 
 
 @pytest.mark.parametrize(("fqn", "threads", "reader"), [
-    (TENSOR_ITEM, 2, "_read_tensors"),  # read_stored_tensor_into, then torch.load(weights_only=True)
-    (TENSOR_ITEM, 1, "read_data"),      # DCP's FileSystemReader.read_data: torch.load(weights_only=True)
+    (TENSOR_ITEM, 2, "_read_tensor"),  # read_stored_tensor_into, then torch.load(weights_only=True)
+    (TENSOR_ITEM, 1, "_read_tensor"),  # the same on one thread (remote storage)
     (BYTES_ITEM, 2, "load_bytes"),      # SafeLoadPlanner.load_bytes: torch.load(weights_only=True)
 ], ids=["tensor-direct-then-torch-load", "tensor-torch-load", "object-item"])
 def test_code_running_record_in_a_shard_is_refused_and_never_run(tmp_path, monkeypatch, fqn, threads, reader):
@@ -203,13 +204,11 @@ def test_code_running_record_in_a_shard_is_refused_and_never_run(tmp_path, monke
     # Every torch.load was weights_only, and the planted record is what one of them refused.
     assert spy.loads and all(weights_only is True for weights_only, _ in spy.loads), spy.loads
     assert [e for _, e in spy.loads if e] == [f"UnpicklingError: {error}"]
-    if reader == "_read_tensors":
+    if reader == "_read_tensor":
         # The direct path is in use (genuine tensors) and declined the planted one,
         # its unpickler refusing the global.
         assert True in spy.direct and False in spy.direct
         assert ("posix", "system") in spy.globals
-    if reader == "read_data":
-        assert spy.direct == []
 
 
 def test_refusal_is_a_resume_error_naming_the_shard_and_the_item(tmp_path):

@@ -15,7 +15,7 @@ import fsspec
 import pytest
 
 from resume.checksum import checksum_bytes, checksum_file, digest_parts
-from resume.errors import StorageError
+from resume.errors import OversizedFileError, StorageError
 from resume.storage import FsspecStorage, LocalStorage, is_transient, join, open_storage
 
 
@@ -45,6 +45,13 @@ def test_atomic_write_then_read_returns_the_bytes(storage):
     assert storage.exists("a/b/data.bin")
     assert storage.isdir("a/b")
     assert not storage.isdir("a/b/data.bin")
+
+
+def test_read_bytes_with_a_limit_refuses_a_larger_file_naming_it(storage):
+    storage.write_bytes_atomic("LATEST", b"12\n")
+    assert storage.read_bytes("LATEST", limit=3) == b"12\n"
+    with pytest.raises(OversizedFileError, match=r"LATEST: size: expected at most 2 bytes, actual 3"):
+        storage.read_bytes("LATEST", limit=2)
 
 
 def test_atomic_write_replaces_existing_content(storage):
@@ -132,7 +139,7 @@ def test_local_failed_atomic_write_keeps_old_content_and_removes_temp(tmp_path, 
     storage = LocalStorage(str(tmp_path))
     storage.write_bytes_atomic("f", b"old")
 
-    def broken_replace(src, dst):
+    def broken_replace(src, dst, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)

@@ -6,6 +6,7 @@
 - ``staged_trainer``: a speed-run-shaped trainer that unties its embedding at a stage boundary;
 - ``checkpoints``: checkpoints written by hand, and damage done to them (torn, flipped, planted);
 - ``cli``: the ``resume`` command in a subprocess, and its one-line errors;
+- ``hostile``: ``resume`` and a job's restore run against hostile files, in bounded subprocesses;
 - ``s3``: an S3-compatible server on loopback and a proxy in front of it that injects faults;
 - ``ports``: a free TCP port on loopback;
 - ``megatron``: Megatron-Core on CPU (import or skip, CUDA stand-ins, optimizer stubs);

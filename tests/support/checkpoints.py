@@ -93,15 +93,26 @@ class CodeRunningPickle:
 
 
 def plant_metadata_pickle(step_dir: str, marker: str, manifest: str = "manifest.json") -> None:
-    """Replace DCP's ``.metadata`` with a pickle that creates ``marker`` when loaded, and rewrite its
-    entry in the manifest (``manifest``: the layout's file name) as an attacker who also rewrites
-    the manifest would: sizes and checksums agree again, so only the content check can refuse it."""
-    data = pickle.dumps(CodeRunningPickle(f"touch {marker}"))
-    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
+    """Replace DCP's ``.metadata`` with a pickle that creates ``marker`` when loaded (and its
+    manifest entry to match: ``replace_listed_file``)."""
+    replace_listed_file(step_dir, ".metadata", pickle.dumps(CodeRunningPickle(f"touch {marker}")), manifest)
+
+
+def replace_listed_file(step_dir: str, rel: str, data: bytes, manifest: str = "manifest.json") -> None:
+    """Write ``rel`` of ``step_dir``, and its entry in the manifest (``manifest``: the layout's file
+    name) as an attacker who also rewrites the manifest would: sizes and checksums agree again,
+    so only a check of the content can refuse it."""
+    with open(os.path.join(step_dir, rel), "wb") as f:
         f.write(data)
+    edit_manifest(step_dir, lambda body: body["files"].__setitem__(
+        rel, {"size": len(data), "checksum": checksum_bytes(data)}), manifest)
+
+
+def edit_manifest(step_dir: str, edit, manifest: str = "manifest.json") -> None:
+    """``edit(body)`` applied to the step's manifest, rewritten in place (no checksum covers it)."""
     path = os.path.join(step_dir, manifest)
     with open(path) as f:
         body = json.load(f)
-    body["files"][".metadata"] = {"size": len(data), "checksum": checksum_bytes(data)}
+    edit(body)
     with open(path, "w") as f:
-        json.dump(body, f)
+        f.write(json.dumps(body))
