@@ -22,7 +22,6 @@ The counters Megatron does not keep are derived here: samples read is
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
 import zipfile
@@ -41,6 +40,7 @@ from resume.errors import (
 from resume.run import RESUME_LAYOUT, CheckResult, Run, RunLayout, register_layout
 from resume.state import TrainState
 from resume.storage import SMALL_FILE_CAP, Storage, join
+from resume.text import parse_json, short
 
 from .megatron_schedule import MegatronSchedule
 
@@ -157,16 +157,15 @@ def require_torch_dist(storage: Storage, iteration: int) -> None:
                             "the legacy torch format (mp_rank_*/model_optim_rng.pt); save with "
                             "--ckpt-format torch_dist")
     try:
-        meta = json.loads(storage.read_bytes(join(d, "metadata.json"), limit=SMALL_FILE_CAP))
+        meta = parse_json(storage.read_bytes(join(d, "metadata.json"), limit=SMALL_FILE_CAP))
     except FileNotFoundError:
         meta = {}
     except ValueError as e:
-        raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: expected JSON, actual unparsable "
-                            f"({e})") from e
+        raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: {e}") from e
     backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
     if backend != "torch_dist" or ".metadata" not in names:
         raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: sharded_backend: expected "
-                            f"'torch_dist' with a .metadata file, actual {backend!r}"
+                            f"'torch_dist' with a .metadata file, actual {short(backend)}"
                             f"{'' if '.metadata' in names else ', no .metadata'}")
 
 

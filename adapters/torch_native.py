@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import math
 import pickle
@@ -57,7 +56,7 @@ from resume.errors import (
 from resume.manifest import MANIFEST_NAME
 from resume.schedule import describe_callable, describe_lr_schedule, is_lr_schedule, lr_schedule_values
 from resume.storage import MANIFEST_CAP, Storage
-from resume.text import clip
+from resume.text import clip, parse_json
 
 from . import jsonstate
 from .data import check_loader, load_loader_state, loader_state
@@ -767,11 +766,11 @@ def _recorded_for_shards(storage: Storage, step_dir: str) -> dict:
     compression."""
     path = f"{step_dir}/{MANIFEST_NAME}"
     try:
-        body = json.loads(storage.read_bytes(path, limit=MANIFEST_CAP))
+        body = parse_json(storage.read_bytes(path, limit=MANIFEST_CAP))
     except FileNotFoundError:
         return {"sizes": None, "compression": None}
     except ValueError as e:
-        raise CorruptCheckpointError(f"{storage.url(path)}: expected JSON, actual {clip(str(e))}") from e
+        raise CorruptCheckpointError(f"{storage.url(path)}: {e}") from e
     files = body.get("files") if isinstance(body, dict) else None
     topology = body.get("topology") if isinstance(body, dict) else None
     sizes = {rel: entry["size"] for rel, entry in files.items()

@@ -36,7 +36,9 @@ from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: d
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
-from resume.run import Run, detect_layout, utc_now
+from resume.run import CheckResult, Run, detect_layout, utc_now
+from resume.storage import SMALL_FILE_CAP, is_damage
+from resume.text import clip, parse_json, short
 
 from .crash_loop import CrashLoopPolicy
 from .grace import STOP_MARGIN_S, grace_budget
@@ -49,6 +51,7 @@ EXIT_CRASH_LOOP = 5
 EXIT_UNRECOVERABLE = 1
 EVENTS = "cluster/events.jsonl"
 STATE = "cluster/hook.json"
+EVENTS_CAP = 64 << 20  # bytes; a longer event log is moved aside and a new one begun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +115,33 @@ class HookState:
     bad_nodes: list[str] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     launches: int = 0
+
+
+def _state_problem(body: Any) -> str | None:
+    """What is wrong with the hook's state file ``body`` (parsed JSON), or None."""
+    if not isinstance(body, dict):
+        return f"expected an object, actual {short(body)}"
+    nodes, failures, launches = body.get("bad_nodes", []), body.get("failures", []), body.get("launches", 0)
+    if not (isinstance(nodes, list) and len(nodes) <= _MAX_NODES
+            and all(isinstance(n, str) and 0 < len(n) <= 255 for n in nodes)):
+        return f"bad_nodes: expected a list of node names, actual {short(nodes)}"
+    if not (isinstance(failures, list) and all(_is_failure(f) for f in failures)):
+        return ("failures: expected a list of {at, exit_code, committed_step} records, actual "
+                f"{short(failures)}")
+    if type(launches) is not int or not 0 <= launches < 1 << 31:
+        return f"launches: expected a count >= 0, actual {short(launches)}"
+    return None
+
+
+def _is_failure(record: Any) -> bool:
+    def small_int(v: Any) -> bool:
+        return type(v) is int and -(1 << 63) <= v < 1 << 63
+    return (isinstance(record, dict) and isinstance(record.get("at", ""), str)
+            and (record.get("exit_code") is None or small_int(record.get("exit_code")))
+            and (record.get("committed_step") is None or small_int(record.get("committed_step"))))
+
+
+_MAX_NODES = 100_000
 
 
 class _StepEnded(Exception):
@@ -278,8 +308,10 @@ class Supervisor:
                 raise _StepEnded()
 
         try:
+            # An answer counts only for a step the run holds committed (one may be forged).
             step = wait_for_answer(self.rundir, request, timeout=save_wait, poll=self.cfg.poll_s,
-                                   clock=self.clock, sleep=self.sleep, on_wait=watch)
+                                   clock=self.clock, sleep=self.sleep, on_wait=watch,
+                                   check=self._check)
             saved = True
             self.event("saved", step=step, reason="checkpoint committed after the signal")
         except _StepEnded:
@@ -414,29 +446,47 @@ class Supervisor:
     def event(self, kind: str, **fields: Any) -> None:
         record = {"at": utc_now(), "event": kind, "job": self.job.job_id,
                   "restart": self.job.restart_count, **fields}
-        line = json.dumps(record, sort_keys=False) + "\n"
-        path = self.rundir.storage.local_path(EVENTS)
-        if path is not None:  # POSIX append: one short write per line
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "a") as f:
-                f.write(line)
-        else:
-            try:
-                old = self.rundir.storage.read_bytes(EVENTS)
-            except FileNotFoundError:
-                old = b""
-            self.rundir.storage.write_bytes_atomic(EVENTS, old + line.encode())
+        self._record((json.dumps(record, sort_keys=False) + "\n").encode())
         print(f"resume slurm: {kind}: {fields.get('reason', '')}".rstrip(": "), flush=True)
 
-    def _load_state(self) -> HookState:
+    def _record(self, line: bytes) -> None:
+        """One line at the end of the event log. A log that is not a regular file of ours (a
+        link, a FIFO, one past ``EVENTS_CAP``) is moved aside and a new one begun; a log that
+        cannot be written is said on the job's output, and the hook goes on."""
+        storage = self.rundir.storage
         try:
-            body = json.loads(self.rundir.storage.read_bytes(STATE))
-            same_job = body.get("job") == self.job.job_id  # requeues keep the job id
-            return HookState(bad_nodes=list(body.get("bad_nodes", [])),
-                             failures=list(body.get("failures", [])) if same_job else [],
-                             launches=int(body.get("launches", 0)))
-        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            try:
+                storage.append_bytes(EVENTS, line, limit=EVENTS_CAP)
+            except OSError as e:
+                if not is_damage(e):
+                    raise
+                aside = f"{EVENTS}.aside-{int(time.time())}-{os.urandom(3).hex()}"
+                print(f"resume slurm: warning: {clip(str(e))}; moved to {aside}", flush=True)
+                storage.rename(EVENTS, aside)
+                storage.append_bytes(EVENTS, line, limit=EVENTS_CAP)
+        except OSError as e:
+            print(f"resume slurm: warning: event not recorded in {storage.url(EVENTS)}: {clip(str(e))}",
+                  flush=True)
+
+    def _load_state(self) -> HookState:
+        """The state the last requeue left; a file that is not one (too big, a link, a bad
+        field) is said on the job's output and the hook starts afresh."""
+        try:
+            body = parse_json(self.rundir.storage.read_bytes(STATE, limit=SMALL_FILE_CAP))
+        except FileNotFoundError:
             return HookState()
+        except (OSError, ValueError) as e:
+            print(f"resume slurm: warning: {STATE} ignored: {clip(str(e))}", flush=True)
+            return HookState()
+        problem = _state_problem(body)
+        if problem is not None:
+            print(f"resume slurm: warning: {self.rundir.storage.url(STATE)}: {problem}; ignored",
+                  flush=True)
+            return HookState()
+        same_job = body.get("job") == self.job.job_id  # requeues keep the job id
+        return HookState(bad_nodes=list(body.get("bad_nodes", [])),
+                         failures=list(body.get("failures", [])) if same_job else [],
+                         launches=body.get("launches", 0))
 
     def _save_state(self) -> None:
         body = {"bad_nodes": self.state.bad_nodes, "failures": self.state.failures[-20:],
@@ -451,9 +501,17 @@ class Supervisor:
             return None
         return manifest.step if manifest is not None else None
 
-    def _latest_committed(self) -> int | None:
+    def _check(self, step: int) -> CheckResult:
+        self._detect_layout()
+        return self.rundir.check(step)
+
+    def _detect_layout(self) -> None:
+        """The run's layout as it is now (a framework's first save may have made it)."""
         if self.cfg.exit_signal is None:
             self.rundir.layout = detect_layout(self.rundir.storage)
+
+    def _latest_committed(self) -> int | None:
+        self._detect_layout()
         manifest, _ = self.rundir.find_latest()
         return manifest.step if manifest is not None else None
 

@@ -46,6 +46,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
 from .state import TrainState
 from .storage import MANIFEST_CAP, SMALL_FILE_CAP, Storage, is_damage, join, open_storage
+from .text import parse_json, short
 
 __all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
            "parse_step_dirname", "register_layout", "step_dirname"]
@@ -535,12 +536,12 @@ class Run:
             return None
         source = self.storage.url(RUN_INFO)
         try:
-            info = json.loads(text)
+            info = parse_json(text)
         except ValueError as e:
-            raise ManifestError(f"{source}: expected JSON, actual unparsable ({e})") from e
+            raise ManifestError(f"{source}: {e}") from e
         if not isinstance(info, dict) or info.get("schema") != "resume.run":
             raise ManifestError(f"{source}: schema: expected 'resume.run', actual "
-                                f"{info.get('schema') if isinstance(info, dict) else info!r}")
+                                f"{short(info.get('schema') if isinstance(info, dict) else info)}")
         return info
 
     def write_info(self, info: dict) -> None:

@@ -81,6 +81,11 @@ class Storage(Protocol):
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes: ...
     def open_read(self, path: str) -> IO[bytes]: ...
     def write_bytes_atomic(self, path: str, data: bytes) -> None: ...
+    def append_bytes(self, path: str, data: bytes, *, limit: int) -> None:
+        """Add ``data`` at the end of the regular file ``path`` (made if missing). A link or
+        special file there is refused (UnsafePathError); a file past ``limit`` bytes is not
+        added to (OversizedFileError)."""
+        ...
     def makedirs(self, path: str) -> None: ...
     def delete(self, path: str) -> None: ...
     def rename(self, src: str, dst: str) -> None: ...
@@ -290,6 +295,21 @@ class LocalStorage:
         finally:
             os.close(dfd)
 
+    def append_bytes(self, path: str, data: bytes, *, limit: int) -> None:
+        # POSIX append: one short write lands whole, even with another writer.
+        dfd, name = self._open_parent(path, create=True)
+        try:
+            try:
+                fd = os.open(name, _NEW_FILE_FLAGS | os.O_APPEND | os.O_NONBLOCK, 0o644, dir_fd=dfd)
+            except OSError:
+                self._refuse_odd(dfd, name, path, "a regular file")
+                raise
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "ab") as f:
+            check_size(self.url(path), self._regular(path, os.fstat(fd)), limit)
+            f.write(data)
+
     def makedirs(self, path: str) -> None:
         os.close(self._open_dir(self._parts(path), create=True))
 
@@ -475,6 +495,14 @@ class FsspecStorage:
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         # One PUT: object stores make a single-object write atomic.
         self._call(self.fs.pipe_file, self.url(path), data)
+
+    def append_bytes(self, path: str, data: bytes, *, limit: int) -> None:
+        """An object cannot grow: it is read (at most ``limit`` bytes) and written again whole."""
+        try:
+            old = self.read_bytes(path, limit=limit)
+        except FileNotFoundError:
+            old = b""
+        self.write_bytes_atomic(path, old + data)
 
     def makedirs(self, path: str) -> None:
         self._call(self.fs.makedirs, self.url(path), exist_ok=True)

@@ -10,11 +10,12 @@ size, depth and time, and never raising.
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 from typing import Any
 
-__all__ = ["clip", "number", "short"]
+__all__ = ["clip", "number", "parse_json", "short"]
 
 _MAX_DIGITS = 40
 """Integers with more digits are described by their length, not printed."""
@@ -72,3 +73,18 @@ def short(value: Any, limit: int = 120) -> str:
     except Exception:  # noqa: BLE001 - a message must not fail: an odd object is named by its type
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_json(data: bytes | str) -> Any:
+    """``data`` parsed as JSON. ValueError, with a bounded one-line reason, for anything else:
+    not UTF-8, not JSON, NaN or Infinity, or nested past the parser's depth."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("expected JSON, actual one nested too deep to parse") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"expected JSON, actual {clip(str(e), 120)}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")

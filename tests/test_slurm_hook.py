@@ -226,6 +226,7 @@ def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
         for _ in range(500):
             requests = pending_requests(run)
             if requests:
+                commit_checkpoint(run, 17)
                 answer_request(run, requests[0], step=17)
                 answered.append(requests[0])
                 return
@@ -252,6 +253,85 @@ def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
     assert kinds[-1] == "requeued"
     assert ("scontrol", "requeue", "42") in slurm.calls
     assert step.signals == [signal.SIGTERM]  # it did not leave by itself in 0.05 s
+
+
+def test_an_answer_naming_an_uncommitted_step_is_not_a_save(tmp_path):
+    """A forged answer (or one for a save that never committed) is not taken: no "saved"."""
+    run_dir = str(tmp_path / "run")
+
+    def forger():
+        run = Run.open(run_dir, create=True)
+        for _ in range(500):
+            requests = pending_requests(run)
+            if requests:
+                answer_request(run, requests[0], step=17)  # nothing was committed
+                return
+            threading.Event().wait(0.01)
+
+    def start():
+        threading.Thread(target=forger, daemon=True).start()
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        return FakeStep(0, run_forever=True)
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        sup, _ = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=1, step_exit_s=0.05)
+        sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
+        assert sup.run() == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert "saved" not in kinds and "save_failed" in kinds
+    failed = next(e for e in events(tmp_path) if e["event"] == "save_failed")
+    assert "step 17: expected a committed checkpoint" in failed["reason"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("plant", ["fifo", "link", "directory", "wrong types", "huge", "not json"])
+def test_a_state_file_that_is_not_the_hooks_is_ignored_with_a_warning(tmp_path, capsys, plant):
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"bad_nodes": ["n1"], "launches": 7}))
+    state = tmp_path / "run" / "cluster" / "hook.json"
+    state.parent.mkdir(parents=True)
+    if plant == "fifo":
+        os.mkfifo(state)
+    elif plant == "link":
+        state.symlink_to(outside)
+    elif plant == "directory":
+        state.mkdir()
+    elif plant == "wrong types":
+        state.write_text(json.dumps({"bad_nodes": "n1", "failures": [{"exit_code": "x"}], "launches": 1e300}))
+    elif plant == "huge":
+        state.write_text(json.dumps({"bad_nodes": ["n" * 100] * 20000}))
+    else:
+        state.write_text("[" * 100_000)
+    sup, _ = hook(tmp_path, ["n1", "n2"], Launcher([]))
+    assert (sup.state.bad_nodes, sup.state.failures, sup.state.launches) == ([], [], 0)
+    assert "hook.json" in capsys.readouterr().out
+    assert json.loads(outside.read_text())["launches"] == 7
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("plant", ["link", "fifo", "huge"])
+def test_an_event_log_that_is_not_ours_is_moved_aside_and_never_written_through(tmp_path, monkeypatch, plant):
+    outside = tmp_path / "someone-elses.log"
+    outside.write_text("theirs\n")
+    log = tmp_path / "run" / "cluster" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    if plant == "link":
+        log.symlink_to(outside)
+    elif plant == "fifo":
+        os.mkfifo(log)
+    else:
+        monkeypatch.setattr("resume.cluster.hook.EVENTS_CAP", 1000)
+        log.write_text("x" * 1001)
+    sup, _ = hook(tmp_path, ["n1", "n2"], Launcher([lambda: FakeStep(0)]))
+    assert sup.run() == 0
+    assert outside.read_text() == "theirs\n"
+    assert [e["event"] for e in events(tmp_path)] == ["start", "launch", "finished"]
+    aside = [p for p in log.parent.iterdir() if p.name.startswith("events.jsonl.aside-")]
+    assert len(aside) == 1
 
 
 def test_grace_budget_comes_from_measured_saves(tmp_path):
