@@ -180,7 +180,7 @@ def _check_storage_info(info: Any, source: str, field: str, file_sizes: Mapping[
                                     f"step directory, actual {short(path)}") from e
     size = None if file_sizes is None else file_sizes.get(path)
     if file_sizes is not None and size is None:
-        raise _refuse(source, f"{field}.relative_path", "a file the manifest lists", path)
+        raise _refuse(source, f"{field}.relative_path", "a file of the step directory", path)
     offset = _check_int(info.offset, source, f"{field}.offset")
     length = _check_int(info.length, source, f"{field}.length")
     if size is not None and offset + length > size:

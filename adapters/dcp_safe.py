@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.default_planner import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from resume.errors import CorruptCheckpointError, UnsafeCheckpointError
+from resume.errors import CorruptCheckpointError, OversizedFileError, UnsafeCheckpointError
+from resume.storage import join
 from resume.text import clip, short
 
 from .dcp_metadata_check import check_metadata
@@ -149,6 +150,23 @@ def restricted_load_metadata(data: bytes, *, source: str, file_sizes: Mapping[st
     return metadata
 
 
+METADATA_CAP = 1 << 30
+"""Bytes: the largest ``.metadata`` read where no manifest records its size (a framework's own
+save). The reference layout's (5,120 ranks, about 1,000 sharded tensors each) is tens of MB."""
+
+
+def read_step_metadata(storage: Any, step_dir: str) -> Metadata:
+    """DCP's ``.metadata`` of a step directory that no manifest of ours describes (a framework's
+    own save), checked as ``restricted_load_metadata`` checks it: read capped at ``METADATA_CAP``,
+    and every item bounded by the size of the ``.distcp`` file it names, as the directory holds
+    it now (a link or special file there is refused)."""
+    sizes = {name: storage.size(join(step_dir, name)) for name in storage.listdir(step_dir)
+             if name.endswith(".distcp")}
+    path = join(step_dir, ".metadata")
+    return restricted_load_metadata(storage.read_bytes(path, limit=METADATA_CAP),
+                                    source=storage.url(path), file_sizes=sizes)
+
+
 class _SafeMetadataMixin:
     preloaded_metadata: Metadata | None = None
     """Metadata already read (and vetted) by the caller: not read again."""
@@ -159,7 +177,11 @@ class _SafeMetadataMixin:
         else:
             path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
             with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
-                metadata = restricted_load_metadata(f.read(), source=str(path))
+                data = f.read(METADATA_CAP + 1)
+            if len(data) > METADATA_CAP:
+                raise OversizedFileError(f"{path}: size: expected at most {METADATA_CAP} bytes, "
+                                         "actual more (not read)")
+            metadata = restricted_load_metadata(data, source=str(path))
         self.preloaded_metadata = metadata  # the item sizes read_data bounds decompression by
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -610,10 +610,9 @@ def vet_byte_entries(storage: Any, step_dir: str) -> None:
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from .dcp_safe import restricted_load_metadata
+    from .dcp_safe import read_step_metadata
 
-    meta_path = join(step_dir, ".metadata")
-    metadata = restricted_load_metadata(storage.read_bytes(meta_path), source=storage.url(meta_path))
+    metadata = read_step_metadata(storage, step_dir)
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue

@@ -341,11 +341,11 @@ def common_state_from_dict(common: Any, *, source: str) -> CommonState:
 
 def read_common_state(storage: Storage, iteration: int) -> CommonState:
     """The common state of ``iter_<iteration>/``: restricted .metadata, then the object entry."""
-    from .dcp_safe import restricted_load_metadata
+    from .dcp_safe import read_step_metadata
 
     d = MEGATRON_LAYOUT.dirname(iteration)
     meta_path = join(d, ".metadata")
-    metadata = restricted_load_metadata(storage.read_bytes(meta_path), source=storage.url(meta_path))
+    metadata = read_step_metadata(storage, d)
     entries = [(idx, info) for idx, info in metadata.storage_data.items()
                if idx.fqn == COMMON_KEY or idx.fqn.startswith(COMMON_KEY + "/")]
     if not entries:
