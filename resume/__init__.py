@@ -13,6 +13,7 @@ from .errors import (
     LeaseLostError,
     ManifestError,
     NoValidCheckpointError,
+    OversizedFileError,
     ResumeError,
     RunBusyError,
     RunNotFoundError,
@@ -20,6 +21,7 @@ from .errors import (
     SaveTimeoutError,
     StorageError,
     UnsafeCheckpointError,
+    UnsafePathError,
     UsageError,
 )
 from .manifest import Manifest
@@ -48,6 +50,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "NoValidCheckpointError",
+    "OversizedFileError",
     "ResumeError",
     "RngRegistry",
     "Run",
@@ -58,6 +61,7 @@ __all__ = [
     "StorageError",
     "TrainState",
     "UnsafeCheckpointError",
+    "UnsafePathError",
     "UsageError",
     "__version__",
     "open_storage",
