@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -26,7 +25,7 @@ from dataclasses import asdict
 
 import pytest
 from support.checkpoints import write_checkpoint
-from support.cli import RESUME
+from support.hostile import limited, resume_cli
 from support.ports import free_port
 
 from resume.control import (
@@ -261,15 +260,6 @@ def test_the_jobs_error_is_one_bounded_line(run):
 
 
 # -- resume save in a subprocess: forged answers never make it say "committed" ---------------
-
-
-def limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-
-def resume_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*RESUME, *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limited)
 
 
 @contextlib.contextmanager
