@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ContinuityError, UsageError
+from .text import short
 
 __all__ = ["ACCEPT_ENV", "AcceptChanges", "Change", "check_structure", "schedule_changes", "setting_changes"]
 
@@ -165,12 +166,8 @@ def schedule_changes(saved: list[dict], live: list[dict]) -> list[Change]:
 def refuse(change: Change, *, hint: str = "") -> ContinuityError:
     name = change.item.rsplit(".", 1)[-1]
     return ContinuityError(
-        change.item, _short(change.saved), _short(change.live),
+        change.item, short(change.saved), short(change.live),
         f"{change.where}: the code sets another value than the checkpoint holds; "
         f"{hint or 'to train on with the code value, accept it'}: "
         f"Coordinator(accept_changes=[{name!r}]) or {ACCEPT_ENV}={name} (runbooks/restart-refused.md)")
 
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
