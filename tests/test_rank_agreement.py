@@ -115,3 +115,17 @@ def test_agreed_error_keeps_the_first_failures_class_when_ranks_differ():
     failures = [Failure.of(StorageError("EIO"), 0), Failure.of(CorruptCheckpointError("bad"), 2)]
     error = agreed_error(failures, 4, "checksum verification")
     assert type(error) is StorageError and "failed on 2 of 4 ranks" in str(error)
+
+
+def test_a_foreign_error_on_every_rank_keeps_its_class_name_the_phase_and_the_step():
+    # A framework's AttributeError raised on every rank during a save: the user must see what
+    # raised, in which phase of which step; the raising rank chains the original.
+    original = AttributeError("'FusedQKVLinear' object has no attribute 'wq'")
+    others = {1: failure_report(AttributeError(str(original)), 1)}
+    coll = Collective(ScriptedComm(0, 2, others=others))
+    with pytest.raises(SaveFailedError) as raised:
+        coll.each(lambda: (_ for _ in ()).throw(original), "/run/step-000000003 (shards)", saving=True)
+    message = str(raised.value)
+    assert message.startswith("/run/step-000000003 (shards): save failed on every rank (2), nothing committed: ")
+    assert "AttributeError: 'FusedQKVLinear' object has no attribute 'wq'" in message
+    assert raised.value.__cause__ is original
