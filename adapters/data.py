@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from resume.errors import ContinuityError, UsageError
+from resume.text import short
 
 from . import jsonstate
 
@@ -186,6 +187,29 @@ def _is_stateful_data_loader(loader: Any) -> bool:
     return cls is not None and isinstance(loader, cls)
 
 
+def _per_rank_state(loader: Any) -> tuple[int, int] | None:
+    """(dp_rank, dp_world_size) of a StatefulDataLoader subclass that keeps one state per
+    data-parallel rank (torchtitan's ``ParallelAwareDataloader``); None for any other loader.
+
+    Such a loader wraps torchdata's state in a pickle (``pickle.dumps``/``loads``) keyed by its
+    rank; ``resume`` saves and loads the state underneath it instead (``StatefulDataLoader``'s
+    own ``state_dict``), so that loading runs no code from the checkpoint."""
+    rank, size = getattr(loader, "dp_rank", None), getattr(loader, "dp_world_size", None)
+    if type(rank) is int and type(size) is int and _is_stateful_data_loader(loader):
+        return rank, size
+    return None
+
+
+def _torchdata_state_dict(loader: Any) -> Any:
+    cls = sys.modules["torchdata.stateful_dataloader.stateful_dataloader"].StatefulDataLoader
+    return cls.state_dict(loader) if _per_rank_state(loader) else loader.state_dict()
+
+
+def _torchdata_load_state_dict(loader: Any, state: Any) -> None:
+    cls = sys.modules["torchdata.stateful_dataloader.stateful_dataloader"].StatefulDataLoader
+    (cls.load_state_dict if _per_rank_state(loader) else type(loader).load_state_dict)(loader, state)
+
+
 def _position_sampler(loader: Any) -> Any:
     """What decides the order: the sampler inside a ``BatchSampler`` (``sampler=`` with
     ``batch_size=``, or a torch ``BatchSampler`` given as ``batch_sampler=``), else the batch
@@ -229,9 +253,14 @@ def loader_state(loader: Any) -> Any:
         # Whether the loop was iterating already: if not, this very state_dict() makes the
         # iterator, and with it draws its seed from torch's generator (see _iterator_as_saved).
         iterating = getattr(loader, "_iterator", None) is not None
-        return {"__loader__": STATEFUL_DATA_LOADER, "num_workers": int(loader.num_workers),
-                "sampler": _describe_sampler(_position_sampler(loader)), "iterating": iterating,
-                "state": jsonstate.encode(loader.state_dict())}
+        out = {"__loader__": STATEFUL_DATA_LOADER, "num_workers": int(loader.num_workers),
+               "sampler": _describe_sampler(_position_sampler(loader)), "iterating": iterating,
+               "state": jsonstate.encode(_torchdata_state_dict(loader))}
+        per_rank = _per_rank_state(loader)
+        if per_rank is not None:
+            out["per_rank"] = {"class": type(loader).__name__, "dp_rank": per_rank[0],
+                               "dp_world_size": per_rank[1]}
+        return out
     state_dict = getattr(loader, "state_dict", None)
     return jsonstate.encode(state_dict()) if callable(state_dict) else None
 
@@ -249,7 +278,7 @@ def load_loader_state(loader: Any, state: Any) -> None:
                                   "the saved position is torchdata's StatefulDataLoader state: restart "
                                   "with that loader")
         _check_compatible(loader, state)
-        loader.load_state_dict(jsonstate.decode(state["state"]))
+        _torchdata_load_state_dict(loader, jsonstate.decode(state["state"]))
         if state.get("iterating", True):
             _iterator_as_saved(loader)
         return
@@ -277,7 +306,30 @@ def _iterator_as_saved(loader: Any) -> None:
         generator.set_state(saved)
 
 
+def _check_per_rank(loader: Any, state: dict) -> None:
+    """A per-rank loader state (``_per_rank_state``) goes back only to the same rank of the same
+    data-parallel size: ``ContinuityError`` naming the loader and the way out otherwise."""
+    saved, live = state.get("per_rank"), _per_rank_state(loader)
+    if saved is None and live is None:
+        return
+    name = (saved or {}).get("class") or type(loader).__name__
+    if saved is None or live is None:
+        raise ContinuityError("data.loader", f"{name if saved else 'StatefulDataLoader'} (as saved)",
+                              type(loader).__name__, "restart with the loader the checkpoint was saved with")
+    if saved.get("dp_world_size") != live[1]:
+        raise ContinuityError(
+            "data.dp_world_size", f"{short(saved.get('dp_world_size'))} (as saved)", live[1],
+            f"{name} keeps one state per data-parallel rank, which is no position on another "
+            "data-parallel size: restart on the saved size, or train with a loader whose state is a "
+            "global position (torchdata's StatefulDataLoader with batch_sampler="
+            "resume.adapters.data.GlobalPositionSampler)")
+    if saved.get("dp_rank") != live[0]:
+        raise ContinuityError("data.dp_rank", f"{short(saved.get('dp_rank'))} (as saved)", live[0],
+                              f"{name}'s state is one data-parallel rank's: each rank must load its own")
+
+
 def _check_compatible(loader: Any, state: dict) -> None:
+    _check_per_rank(loader, state)
     saved_workers, workers = int(state["num_workers"]), int(loader.num_workers)
     if saved_workers != workers:
         raise ContinuityError("data.num_workers", f"{saved_workers} (as saved)", workers,

@@ -1,7 +1,8 @@
 """Plain-JSON encoding of small framework state (scheduler and loader state dicts).
 
-Tuples, non-finite floats and small tensors are tagged, so they come back as
-they were. Decoding builds only plain values and tensors: it runs no code.
+Tuples, bytes, non-finite floats and small tensors are tagged, so they come back
+as they were. Decoding builds only plain values, bytes and tensors: it runs no code
+(bytes come back as bytes, never unpickled).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def encode(value: Any) -> Any:
         return {k: encode(v) for k, v in value.items()}
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, list):
         return [encode(v) for v in value]
     if isinstance(value, torch.Tensor):
@@ -45,6 +48,8 @@ def decode(value: Any) -> Any:
         return float(value["__float__"])
     if "__tuple__" in value:
         return tuple(decode(v) for v in value["__tuple__"])
+    if "__bytes__" in value:
+        return base64.b64decode(value["__bytes__"], validate=True)
     if "__dict__" in value:
         return {decode(k): decode(v) for k, v in value["__dict__"]}
     if "__tensor__" in value:

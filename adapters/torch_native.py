@@ -328,23 +328,22 @@ class NativeTorchAdapter(Adapter):
         load_loader_state(self.data, state)
 
     def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
-        if isinstance(batch, dict):
-            ids_key = next((k for k in ("ids", "sample_ids", "index") if k in batch), None)
-            if ids_key is None:
-                raise ValueError("describe_batch: expected a batch dict with an 'ids' tensor of "
-                                 f"sample ids, actual keys {sorted(batch)}")
-            ids = batch[ids_key]
-            fields = [batch[k] for k in sorted(batch) if k != ids_key and isinstance(batch[k], torch.Tensor)]
-        elif isinstance(batch, (tuple, list)) and batch:
-            ids, fields = batch[0], [f for f in batch[1:] if isinstance(f, torch.Tensor)]
-        else:
-            raise ValueError(f"describe_batch: expected a dict or tuple batch, actual {type(batch).__name__}")
+        """Sample ids from a dict's ``ids`` (``sample_ids``, ``index``) or a tuple's first item
+        (an integer vector); the digest of each row over every other tensor of the batch. A
+        batch without ids (torchtitan's ``(inputs, labels)``) gives each row by its position."""
+        ids, fields = _ids_and_fields(batch)
+        tensors = [f for f in fields if f.dim() > 0]
+        rows = len(ids) if ids is not None else (len(tensors[0]) if tensors else 0)
+        if ids is None and not rows:
+            raise ValueError(f"describe_batch: expected a batch of tensors (a dict or tuple of them, "
+                             f"nested), actual {type(batch).__name__} without any")
         out = []
-        for row, sample_id in enumerate(torch.as_tensor(ids).tolist()):
+        for row in range(rows):
             h = xxhash.xxh3_64()
-            for f in fields:
-                h.update(f[row].detach().cpu().contiguous().numpy().tobytes())
-            out.append((int(sample_id), h.hexdigest()))
+            for f in tensors:
+                if len(f) == rows:
+                    h.update(f[row].detach().cpu().contiguous().numpy().tobytes())
+            out.append((int(ids[row]) if ids is not None else -1 - row, h.hexdigest()))
         return out
 
     # -- schedule and optimizer -------------------------------------------------------------
@@ -784,6 +783,33 @@ def _recorded_for_shards(storage: Storage, step_dir: str) -> dict:
 _NOT_SETTINGS = {"params", "param_names", "lr", "foreach", "capturable", "differentiable", "fused"}
 _GROUP_ITEM = re.compile(r"^optimizer\[(\d+)\]\.group\[(\d+)\]\.(.+)$")
 _SCHEDULE_ITEM = re.compile(r"^schedule\[(\d+)\]\.")
+
+
+_ID_KEYS = ("ids", "sample_ids", "index")
+
+
+def _ids_and_fields(batch: Any) -> tuple[list[int] | None, list[torch.Tensor]]:
+    """(the sample ids or None, every other tensor of the batch, in a fixed order)."""
+    if isinstance(batch, dict):
+        key = next((k for k in _ID_KEYS if k in batch), None)
+        if key is not None:
+            rest = {k: v for k, v in batch.items() if k != key}
+            return torch.as_tensor(batch[key]).reshape(-1).tolist(), _tensors_of(rest)
+    elif (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)
+          and batch[0].dim() == 1 and not batch[0].is_floating_point() and batch[0].dtype != torch.bool):
+        return batch[0].tolist(), _tensors_of(list(batch[1:]))
+    return None, _tensors_of(batch)
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: dicts by sorted key, sequences in order, nested."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in _tensors_of(value[k])]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    return []
 
 
 def _is_torch_scheduler(s: Any) -> bool:

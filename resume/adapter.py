@@ -70,7 +70,9 @@ class Adapter(ABC):
 
     @abstractmethod
     def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
-        """(global sample id, content digest) of every sample of this rank's batch."""
+        """(global sample id, content digest) of every sample of this rank's batch. A batch that
+        carries no sample ids gives ``-1 - row`` for each row: the next batch is then recorded
+        and checked by its content alone (``continuity.merge_batch_descriptions``)."""
 
     # -- schedule and optimizer ---------------------------------------------------
     @abstractmethod

@@ -115,11 +115,16 @@ def _check_shape(data: dict, source: str) -> None:
 def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]]) -> dict | None:
     """Combine each rank's (sample id, content digest) pairs into one global-batch record.
 
-    Sorted by sample id, so the record is the same for any data-parallel size.
+    Sorted by sample id, so the record is the same for any data-parallel size. A batch
+    without sample ids (negative ids: rows by their position, ``Adapter.describe_batch``)
+    is recorded by content alone: no ids, the digest of its rows' digests in sorted order.
     """
     pairs = sorted(p for rank in per_rank for p in rank)
     if not pairs:
         return None
+    if any(int(i) < 0 for i, _ in pairs):
+        rows = sorted(d for _, d in pairs)
+        return {"ids": [], "digest": digest_parts(rows), "samples": len(rows)}
     ids = [int(i) for i, _ in pairs]
     return {"ids": ids, "digest": digest_parts(f"{i}:{d}" for i, d in pairs), "samples": len(ids)}
 
@@ -235,7 +240,9 @@ def _compare_batch(expected: dict | None, actual: dict | None) -> None:
                               "the data stream does not continue where it stopped")
     if expected["digest"] != actual["digest"]:
         raise ContinuityError("next_batch.digest", expected["digest"], actual["digest"],
-                              "same sample ids, different content: the data set changed")
+                              "same sample ids, different content: the data set changed" if expected["ids"]
+                              else "the batches carry no sample ids and their content differs: the "
+                                   "data stream does not continue where it stopped, or the data changed")
 
 
 def compare_config(expected: dict, actual: dict, *, source: str = "config") -> None:

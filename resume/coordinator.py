@@ -292,13 +292,14 @@ class Coordinator:
         # the copy alone. The rank's state file is written with the shards, never gathered.
         moments_later = background and self.adapter.can_fingerprint_staged()
         local: dict[str, Any] = {}
-        parts = self.coll.each(lambda: self._rank_part(local, moments=not moments_later), commit.url,
-                               saving=True)
+        parts = self.coll.each(lambda: self._rank_part(local, moments=not moments_later),
+                               f"{commit.url} (counters, RNG and moments)", saving=True)
         expectation = Expectation.assemble(parts, world_size=self.comm.world_size)
         state = TrainState.from_dict(self.state.to_dict())  # a background commit comes later
         if background:
             # Phase 2a, local: a memory copy of the shards; the loop goes on after it.
-            self.coll.each(lambda: local.update(staged=self.adapter.stage_shards()), commit.url, saving=True)
+            self.coll.each(lambda: local.update(staged=self.adapter.stage_shards()),
+                           f"{commit.url} (a copy of the shards)", saving=True)
             manifest_of = self._manifest_of(commit.step, expectation, state, record, started,
                                             stall=self.clock() - started)
             self._in_flight = BackgroundSave.start(
