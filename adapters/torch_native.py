@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _get_fqns,
     get_model_state_dict,
-    get_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
@@ -56,7 +56,7 @@ from resume.errors import (
 from resume.manifest import MANIFEST_NAME
 from resume.schedule import describe_callable, describe_lr_schedule, is_lr_schedule, lr_schedule_values
 from resume.storage import MANIFEST_CAP, Storage
-from resume.text import clip, parse_json
+from resume.text import clip, parse_json, short
 
 from . import jsonstate
 from .data import check_loader, load_loader_state, loader_state
@@ -240,11 +240,30 @@ class NativeTorchAdapter(Adapter):
 
     name = "torch-native"
 
-    def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable,
-                 schedulers: Any = (), data: Any = None, *, comm: Comm | None = None,
-                 process_group: Any = None, compression: str | None = None,
-                 moving_settings: Iterable[str] = ()) -> None:
-        """``compression``: ``"zstd"`` compresses every shard item (a per-run choice; off by
+    def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module],
+                 optimizers: torch.optim.Optimizer | Iterable, schedulers: Any = (), data: Any = None, *,
+                 comm: Comm | None = None, process_group: Any = None, compression: str | None = None,
+                 moving_settings: Iterable[str] = (), model_state: str = "auto") -> None:
+        """``model``: a module, or the model parts this rank holds (pipeline stages; torchtitan's
+        ``model_parts``), whose state names do not overlap.
+
+        ``optimizers``: a torch optimizer, several, or a container of them: any object with an
+        ``optimizers`` list (torchtitan's ``OptimizersContainer``) counts as the optimizers it
+        holds. ``schedulers``: likewise, an object with a ``schedulers`` list
+        (``LRSchedulersContainer``) counts as the schedulers it holds. An optimizer whose
+        moments the adapter cannot see (param groups without ``lr``; no state after a step while
+        it holds other optimizers) is refused, never saved without them.
+
+        ``model_state``: how the model's state is read and put back. ``"get_state_dict"``:
+        torch's ``get_model_state_dict``/``set_model_state_dict`` (names from the parameters;
+        DDP, FSDP2 and activation-checkpoint wrappers unwrapped). ``"module"``: the model's own
+        ``state_dict()``/``load_state_dict()``, with every state-dict hook it registers (a fused
+        QKV projection that saves ``wq``/``wk``/``wv``, as torchtitan's ``FusedQKVLinear``);
+        FSDP2/DTensor sharding is kept. ``"auto"`` (the default): ``"module"`` when a module of
+        the model registers a state-dict hook of its own (outside torch), else ``"get_state_dict"``.
+        The optimizers' state is torch's ``get_optimizer_state_dict`` either way.
+
+        ``compression``: ``"zstd"`` compresses every shard item (a per-run choice; off by
         default: on a local disk here it costs more time than the bytes it saves).
 
         ``moving_settings``: param-group fields besides ``lr`` that the loop sets as training goes
@@ -258,10 +277,18 @@ class NativeTorchAdapter(Adapter):
         if compression not in COMPRESSIONS:
             raise UsageError(f"compression: expected one of {COMPRESSIONS}, actual {compression!r}")
         self.compression = compression
-        self.model = model
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        self.schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else (
-            [schedulers] if schedulers else [])
+        self.model_parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+        if not self.model_parts or not all(isinstance(m, torch.nn.Module) for m in self.model_parts):
+            raise UsageError("model: expected a torch.nn.Module or a list of them (model parts), actual "
+                             f"{type(model).__name__}")
+        self.model = self.model_parts[0]
+        self.optimizers = _unpack_optimizers(optimizers)
+        self.schedulers = _unpack_schedulers(schedulers)
+        if model_state not in MODEL_STATE_MODES:
+            raise UsageError(f"model_state: expected one of {MODEL_STATE_MODES}, actual {model_state!r}")
+        self.model_state = (model_state if model_state != "auto" else
+                            "module" if any(_renames_state(m) for m in self.model_parts) else "get_state_dict")
+        self._optimizer_part = _optimizer_parts(self.model_parts, self.optimizers)
         self.data = data
         self.process_group = process_group
         self.comm = comm if comm is not None else comm_for(process_group)
@@ -524,8 +551,9 @@ class NativeTorchAdapter(Adapter):
 
     def _param_names(self) -> dict:
         names = {}
-        for name, param in self.model.named_parameters():
-            names[param] = _get_fqns(self.model, name)
+        for part in self.model_parts:
+            for name, param in part.named_parameters():
+                names[param] = _get_fqns(part, name)
         return names
 
     # -- persistence ------------------------------------------------------------------------
@@ -559,14 +587,59 @@ class NativeTorchAdapter(Adapter):
         """Model and optimizer state for DCP. ``get_state_dict`` creates the state of an
         optimizer that has none (a zero-LR step), so only optimizers named here are touched."""
         self._internal_step = True
+        model_sd: dict = {}
+        optim_sd: dict = {}
         try:
-            if optimizers:
-                model_sd, optim_sd = get_state_dict(self.model, optimizers)
-            else:
-                model_sd, optim_sd = get_model_state_dict(self.model), {}
+            for index, part in enumerate(self.model_parts):
+                _merge_into(model_sd, self._part_model_state(part), f"model part {index}")
+                mine = [o for o in optimizers if self._optimizer_part[id(o)] == index]
+                if mine:
+                    self._check_visible(mine)
+                    part_optim = get_optimizer_state_dict(part, mine)
+                    _merge_into(optim_sd.setdefault("state", {}), part_optim.get("state", {}),
+                                f"optimizer state of model part {index}")
+                    optim_sd.setdefault("param_groups", []).extend(part_optim.get("param_groups", []))
         finally:
             self._internal_step = False
         return {"model": model_sd, "optim": optim_sd}
+
+    def _part_model_state(self, part: torch.nn.Module) -> dict:
+        if self.model_state == "module":
+            return part.state_dict()
+        return get_model_state_dict(part)
+
+    def _check_visible(self, optimizers: list) -> None:
+        """Refuse to save an optimizer whose moments are not in its own ``state``."""
+        for opt in optimizers:
+            i = self.optimizers.index(opt)
+            if self._steps[i] and not opt.state and _holds_optimizers(opt):
+                raise UsageError(
+                    f"optimizers[{i}] ({type(opt).__name__}): expected its moments in its state after "
+                    f"{self._steps[i]} steps, actual an empty state: it holds other optimizers, whose "
+                    "state it does not show. Pass the optimizers it holds instead (a list), or give it "
+                    "an 'optimizers' attribute listing them; saving it would lose the moments")
+
+    def _set_loaded(self, state: dict, saved_optimizers: list) -> None:
+        """The loaded ``state`` into every model part and its optimizers (strict for the model;
+        parameters that had no optimizer state keep none)."""
+        for index, part in enumerate(self.model_parts):
+            mine = [o for o in saved_optimizers if self._optimizer_part[id(o)] == index]
+            part_keys = self._part_model_state(part).keys() if len(self.model_parts) > 1 else None
+            model_sd = state["model"] if part_keys is None else {k: state["model"][k] for k in part_keys}
+            if self.model_state == "module":
+                part.load_state_dict(model_sd)
+            else:
+                set_model_state_dict(part, model_sd)
+            if mine:
+                set_optimizer_state_dict(part, mine, optim_state_dict=self._optim_subset(state["optim"], part),
+                                         options=StateDictOptions(strict=False))
+
+    def _optim_subset(self, optim_sd: dict, part: torch.nn.Module) -> dict:
+        if len(self.model_parts) == 1:
+            return optim_sd
+        fqns = {fqn for name, _ in part.named_parameters() for fqn in _get_fqns(part, name)}
+        return {"state": {k: v for k, v in optim_sd.get("state", {}).items() if k in fqns},
+                "param_groups": [g for g in optim_sd.get("param_groups", []) if set(g["params"]) & fqns]}
 
     def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
         # An optimizer without state (no update applied yet) is left out: making
@@ -704,13 +777,8 @@ class NativeTorchAdapter(Adapter):
                          process_group=self.process_group, no_dist=not dist.is_initialized())
         except CheckpointException as e:  # a BaseException: make it ours, naming what refused
             raise _load_failure(e, storage, step_dir) from e
-        if saved_optimizers:
-            # strict=False lets parameters that had no optimizer state keep none;
-            # every model key was loaded above (DCP fails on a missing one).
-            set_state_dict(self.model, saved_optimizers, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
-        else:
-            set_model_state_dict(self.model, state["model"])
+        # Every model key was loaded above (DCP fails on a missing one).
+        self._set_loaded(state, saved_optimizers)
         for opt in self.optimizers:
             if opt not in saved_optimizers:
                 opt.state.clear()
@@ -783,6 +851,87 @@ def _recorded_for_shards(storage: Storage, step_dir: str) -> dict:
 _NOT_SETTINGS = {"params", "param_names", "lr", "foreach", "capturable", "differentiable", "fused"}
 _GROUP_ITEM = re.compile(r"^optimizer\[(\d+)\]\.group\[(\d+)\]\.(.+)$")
 _SCHEDULE_ITEM = re.compile(r"^schedule\[(\d+)\]\.")
+
+
+MODEL_STATE_MODES = ("auto", "get_state_dict", "module")
+
+
+def _unpack_optimizers(optimizers: Any) -> list:
+    """The torch optimizers given: one, several, or a container's ``optimizers`` list (checked
+    first: torchtitan's container is itself an ``Optimizer``, with an empty state)."""
+    inner = getattr(optimizers, "optimizers", None)
+    if isinstance(inner, (list, tuple)):
+        found = list(inner)
+    elif isinstance(optimizers, torch.optim.Optimizer):
+        found = [optimizers]
+    else:
+        found = [o for item in optimizers for o in _unpack_optimizers(item)]
+    for i, opt in enumerate(found):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise UsageError(f"optimizers[{i}]: expected a torch.optim.Optimizer, actual {type(opt).__name__}")
+        if any("lr" not in g for g in opt.param_groups):
+            raise UsageError(
+                f"optimizers[{i}] ({type(opt).__name__}): expected param groups with 'lr', actual groups "
+                "without: it does not show its optimizers' settings and state (a container?). Pass the "
+                "optimizers it holds instead (a list), or give it an 'optimizers' attribute listing them")
+    return found
+
+
+def _unpack_schedulers(schedulers: Any) -> list:
+    """The schedulers given: none, one, several, or a container's ``schedulers`` list."""
+    inner = getattr(schedulers, "schedulers", None)
+    if isinstance(inner, (list, tuple)):
+        return list(inner)
+    if isinstance(schedulers, (list, tuple)):
+        return [s for item in schedulers for s in _unpack_schedulers(item)]
+    return [schedulers] if schedulers else []
+
+
+def _holds_optimizers(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` keeps other optimizers in its attributes (a container)."""
+    for value in vars(opt).values():
+        items = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]
+        if any(isinstance(v, torch.optim.Optimizer) for v in items):
+            return True
+    return False
+
+
+def _hook_module(hook: Any) -> str:
+    for attr in ("hook", "func", "__func__"):  # torch's _WrappedHook, functools.partial, a method
+        hook = getattr(hook, attr, hook)
+    return getattr(hook, "__module__", None) or ""
+
+
+def _renames_state(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` has a state-dict hook of its own (one outside torch): its
+    ``state_dict()`` may name entries no parameter has, which ``get_model_state_dict`` cannot map."""
+    for module in model.modules():
+        for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks):
+            if any(not _hook_module(h).startswith("torch.") for h in hooks.values()):
+                return True
+    return False
+
+
+def _optimizer_parts(parts: list[torch.nn.Module], optimizers: list) -> dict[int, int]:
+    """id(optimizer) -> the index of the model part holding its parameters."""
+    owner = {id(p): i for i, part in enumerate(parts) for p in part.parameters()}
+    out = {}
+    for k, opt in enumerate(optimizers):
+        held = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
+        if len(held) != 1 or None in held:
+            where = "none of the model's" if held <= {None} else "several model parts'" if None not in held \
+                else "some outside the model"
+            raise UsageError(f"optimizers[{k}] ({type(opt).__name__}): expected the parameters of one model "
+                             f"part, actual {where}: give each part its own optimizer")
+        out[id(opt)] = held.pop()
+    return out
+
+
+def _merge_into(target: dict, part: dict, what: str) -> None:
+    clash = target.keys() & part.keys()
+    if clash:
+        raise UsageError(f"{what}: expected names no other model part has, actual {short(sorted(clash)[:3])}")
+    target.update(part)
 
 
 _ID_KEYS = ("ids", "sample_ids", "index")

@@ -167,6 +167,22 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
     _compare_batch(expected.next_batch, actual.next_batch)
 
 
+def matched(expected: Expectation, *, resized: bool = False) -> str:
+    """What ``compare`` found equal, in words, for the line a restore prints."""
+    items = [f"{len(expected.schedule)} scheduler(s)", f"optimizer steps {expected.optimizer_steps}"]
+    if expected.optimizer and expected.optimizer[0]:
+        items.append(f"moments of {len(expected.optimizer[0])} optimizer(s)"
+                     + (" (as totals: another data-parallel size)" if resized else ""))
+    items.append(f"LR of the next {len(expected.lr_ahead)} updates")
+    items.append("RNG not compared (another data-parallel size)" if resized else
+                 f"RNG of {len(expected.rng)} rank(s)")
+    batch = expected.next_batch
+    items.append("next batch: end of data (not compared)" if batch is None else
+                 f"next batch ({batch['samples']} samples, "
+                 f"{'by sample id and content' if batch['ids'] else 'by content: no sample ids'})")
+    return ", ".join(items)
+
+
 def _is_bits_fingerprint(record: Any) -> bool:
     return isinstance(record, dict) and "replicated" in record and "sharded" in record
 

@@ -32,7 +32,7 @@ from .changes import AcceptChanges
 from .collective import Collective
 from .commit import StepCommit, rank_state_name
 from .config import CoordinatorConfig, as_json
-from .continuity import Expectation
+from .continuity import Expectation, matched
 from .control import ControlArea, SaveRequest, SignalFlag
 from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
 from .lease import Lease
@@ -380,9 +380,12 @@ class Coordinator:
         self.user = dict(restored.manifest.user)
         self.changes = restored.changes
         self._next.start(self.state.iteration)
-        log.info("resume: restored %s (iteration %d, %d successful, %d skipped); continuity ok",
-                 self.run.dirname(restored.manifest.step), self.state.iteration,
-                 self.state.updates_successful, self.state.updates_skipped)
+        if self.comm.rank == 0:  # at WARNING: seen with Python's default logging, once per job
+            resized = int(restored.manifest.topology.get("world_size", 1)) != self.comm.world_size
+            log.warning("resume: restored %s (iteration %d, %d successful, %d skipped updates, %d samples); "
+                        "continuity ok: %s", self.run.dirname(restored.manifest.step), self.state.iteration,
+                        self.state.updates_successful, self.state.updates_skipped, self.state.samples_read,
+                        matched(restored.expected, resized=resized))
 
     def _expectation_after_load(self, schedule: list[dict]) -> Expectation:
         """Collective, right after a load: the Expectation recomputed from the live objects."""
