@@ -594,7 +594,6 @@ class NativeTorchAdapter(Adapter):
                 _merge_into(model_sd, self._part_model_state(part), f"model part {index}")
                 mine = [o for o in optimizers if self._optimizer_part[id(o)] == index]
                 if mine:
-                    self._check_visible(mine)
                     part_optim = get_optimizer_state_dict(part, mine)
                     _merge_into(optim_sd.setdefault("state", {}), part_optim.get("state", {}),
                                 f"optimizer state of model part {index}")
@@ -644,6 +643,7 @@ class NativeTorchAdapter(Adapter):
     def save_shards(self, storage: Storage, step_dir: str) -> list[str]:
         # An optimizer without state (no update applied yet) is left out: making
         # its state up for the save would change the training that follows.
+        self._check_visible(self.optimizers)
         state = self._sharded_state([o for o in self.optimizers if o.state])
         return self._dcp_save(state, storage, step_dir, self.process_group)
 
@@ -695,6 +695,7 @@ class NativeTorchAdapter(Adapter):
     def stage_shards(self) -> Any:
         """A private copy of the sharded state (model and optimizer tensors), for a background
         write, and which optimizer owns each parameter's state (for ``fingerprint_staged``)."""
+        self._check_visible(self.optimizers)
         state = self._sharded_state([o for o in self.optimizers if o.state])
         names = self._param_names()
         owners = {fqn: (i, id(p)) for i, opt in enumerate(self.optimizers) for g in opt.param_groups
