@@ -1,12 +1,13 @@
-"""pytest plugin for .ci/run's fresh-machine step (issue 11): where megatron-core and Slurm are
-absent, every test marked ``megatron`` or ``slurm`` must be skipped, and nothing may fail or
-error. A marked test that passes there does not need its dependency (take the mark off); an
+"""pytest plugin for .ci/run's fresh-machine step (issue 11): where megatron-core, torchtitan and
+Slurm are absent, every test marked ``megatron``, ``torchtitan`` or ``slurm`` must be skipped, and
+nothing may fail or error. A marked test that passes there does not need its dependency (take the mark off); an
 unmarked one that needs it fails with an ImportError or a missing command.
 
     PYTHONPATH=.ci python -m pytest -p require_skips tests/test_megatron_*.py tests/test_slurm_*.py
 
-It refuses to start where megatron-core or Slurm is present, or where the environment turns
-their absence into a failure (RESUME_REQUIRE_MEGATRON=1, CI=true for the Slurm tests).
+It refuses to start where megatron-core, torchtitan or Slurm is present, or where the environment
+turns their absence into a failure (RESUME_REQUIRE_MEGATRON=1, RESUME_REQUIRE_TORCHTITAN=1, CI=true
+for the Slurm tests).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import shutil
 
 import pytest
 
-DEPENDENCY_MARKS = ("megatron", "slurm")
+DEPENDENCY_MARKS = ("megatron", "slurm", "torchtitan")
 SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "slurmctld", "slurmd")
 
 _marked: list[str] = []
@@ -33,9 +34,14 @@ def _present_dependencies() -> list[str]:
         spec = None
     if spec is not None:
         found.append(f"megatron-core ({spec.origin})")
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is not None:
+        found.append(f"torchtitan ({spec.origin})")
     found += [f"{c} ({shutil.which(c)})" for c in SLURM_COMMANDS if shutil.which(c)]
     if os.environ.get("RESUME_REQUIRE_MEGATRON") == "1":
         found.append("RESUME_REQUIRE_MEGATRON=1 (turns the Megatron skips into failures)")
+    if os.environ.get("RESUME_REQUIRE_TORCHTITAN") == "1":
+        found.append("RESUME_REQUIRE_TORCHTITAN=1 (turns the torchtitan skips into failures)")
     if os.environ.get("CI") == "true":
         found.append("CI=true (turns the Slurm skips into failures)")
     return found
@@ -44,7 +50,7 @@ def _present_dependencies() -> list[str]:
 def pytest_configure(config: pytest.Config) -> None:
     present = _present_dependencies()
     if present:
-        raise pytest.UsageError("require_skips: expected no megatron-core and no Slurm, actual "
+        raise pytest.UsageError("require_skips: expected no megatron-core, torchtitan or Slurm, actual "
                                 + "; ".join(present))
 
 
