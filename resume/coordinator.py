@@ -380,12 +380,13 @@ class Coordinator:
         self.user = dict(restored.manifest.user)
         self.changes = restored.changes
         self._next.start(self.state.iteration)
-        if self.comm.rank == 0:  # at WARNING: seen with Python's default logging, once per job
-            resized = int(restored.manifest.topology.get("world_size", 1)) != self.comm.world_size
-            log.warning("resume: restored %s (iteration %d, %d successful, %d skipped updates, %d samples); "
-                        "continuity ok: %s", self.run.dirname(restored.manifest.step), self.state.iteration,
-                        self.state.updates_successful, self.state.updates_skipped, self.state.samples_read,
-                        matched(restored.expected, resized=resized))
+        # Rank 0 at WARNING: seen with Python's default logging, once per job; the others at INFO.
+        resized = int(restored.manifest.topology.get("world_size", 1)) != self.comm.world_size
+        log.log(logging.WARNING if self.comm.rank == 0 else logging.INFO,
+                "resume: restored %s (iteration %d, %d successful, %d skipped updates, %d samples); "
+                "continuity ok: %s", self.run.dirname(restored.manifest.step), self.state.iteration,
+                self.state.updates_successful, self.state.updates_skipped, self.state.samples_read,
+                matched(restored.expected, resized=resized))
 
     def _expectation_after_load(self, schedule: list[dict]) -> Expectation:
         """Collective, right after a load: the Expectation recomputed from the live objects."""
