@@ -748,10 +748,16 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
     if nodes < nodes_per_replica + spares:
         raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
                          f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")
+    from .cluster.grace import fit_to_time_limit
+
+    grace_s = grace if grace is not None else _measured_grace(run_url)
+    warning = fit_to_time_limit(grace_s, time_limit, given=grace is not None)
+    if warning:
+        click.echo(f"resume: warning: {warning}", err=True)
     script = SbatchTemplate(run_url=run_url, command=list(command_args), nodes=nodes,
                             global_batch=global_batch, micro_batch=micro_batch,
                             nodes_per_replica=nodes_per_replica, tasks_per_node=tasks_per_node,
-                            spares=spares, grace_s=grace if grace is not None else _measured_grace(run_url),
+                            spares=spares, grace_s=grace_s,
                             job_name=job_name, time=time_limit, partition=partition,
                             output=output, exit_signal=exit_signal,
                             accept_changes=cfg.accept_changes).render()

@@ -23,7 +23,7 @@ from resume.cluster.slurm import (
     parse_nodelist,
 )
 from resume.cluster.template import SbatchTemplate
-from support.cli import resume
+from support.cli import assert_one_line_error, resume
 
 from resume.checksum import checksum_bytes
 from resume.control import answer_request, pending_requests
@@ -642,3 +642,30 @@ def test_slurm_run_with_a_bad_accept_change_exits_2_before_looking_for_slurm(tmp
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("resume: error: slurm run: --accept-change")
     assert "'a b'" in proc.stderr and "\n" not in proc.stderr.strip()
+
+
+def test_the_template_refuses_a_grace_that_does_not_fit_the_time_limit_and_warns_about_a_large_one(tmp_path):
+    base = ["slurm", "template", "--run", str(tmp_path / "run"), "--nodes", "2", "--global-batch", "8"]
+    command = ["--", "python", "train.py"]
+    # No --grace, nothing measured: the 300 s default does not fit 3 minutes.
+    refused = resume(*base, "--time", "3", *command)
+    assert_one_line_error(refused, 2, "expected less than the time limit (180 s, --time 3), actual 300 s")
+    given = resume(*base, "--time", "3", "--grace", "200", *command)
+    assert_one_line_error(given, 2, "--grace: expected less than the time limit (180 s")
+    large = resume(*base, "--time", "8", *command)  # 300 s of 480 s
+    assert large.returncode == 0 and "--signal=B:USR1@300" in large.stdout
+    assert "more than half of the time limit (480 s)" in large.stderr
+    fine = resume(*base, "--time", "1-00:00", *command)
+    assert fine.returncode == 0 and fine.stderr == ""
+    unlimited = resume(*base, "--time", "UNLIMITED", *command)
+    assert unlimited.returncode == 0 and unlimited.stderr == ""
+    bad = resume(*base, "--time", "soon", *command)
+    assert_one_line_error(bad, 2, "--time: expected a Slurm time limit")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("3", 180), ("3:30", 210), ("1:00:00", 3600), ("2-0", 172800),
+                                               ("1-2:03", 93780), ("1-02:03:04", 93784)])
+def test_slurm_time_limits_in_every_form_slurm_takes(text, seconds):
+    from resume.cluster.grace import slurm_time_s
+
+    assert slurm_time_s(text) == seconds
