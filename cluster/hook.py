@@ -143,6 +143,16 @@ def _is_failure(record: Any) -> bool:
 
 _MAX_NODES = 100_000
 
+_SHOWN = ("launch", "dp", "from_dp", "to_dp", "nodes", "tasks", "signal", "step", "committed_step", "exit_code")
+"""The fields an event's line on the job output shows, in this order."""
+
+
+def _fact(value: Any) -> str:
+    if isinstance(value, list):
+        shown = ",".join(map(str, value[:16]))
+        return shown + (f",…(+{len(value) - 16})" if len(value) > 16 else "")
+    return str(value)
+
 
 class _StepEnded(Exception):
     pass
@@ -204,7 +214,8 @@ class Supervisor:
                 return self._save_stop_requeue(proc)
             rc = proc.returncode
             if rc == 0:
-                self.event("finished", reason="the training step exited 0: no requeue")
+                self.event("finished", exit_code=0, nodes=nodes, committed_step=self._committed_quietly(),
+                           reason="the training step exited 0: no requeue")
                 self.state.failures.clear()
                 self._save_state()
                 return 0
@@ -270,7 +281,7 @@ class Supervisor:
                        reason=f"{limit} failures in a row on healthy nodes without a new "
                               f"checkpoint (last committed step {committed}); not requeueing")
             return EXIT_CRASH_LOOP
-        self.event("step_failed", exit_code=rc, committed_step=committed,
+        self.event("step_failed", exit_code=rc, nodes=nodes, committed_step=committed,
                    reason="the step failed on healthy nodes: relaunch in place")
         return None
 
@@ -406,7 +417,7 @@ class Supervisor:
                f"--ntasks-per-node={self.cfg.tasks_per_node}", f"--nodelist={','.join(nodes)}",
                "--kill-on-bad-exit=1", *self.cfg.command]
         self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
-                   master=f"{master}:{port}", **self.accept_env)
+                   master=f"{master}:{port}", committed_step=self._committed_quietly(), **self.accept_env)
         return self.popen(cmd, env=env)
 
     def _accept_env(self) -> dict[str, str]:
@@ -444,10 +455,15 @@ class Supervisor:
     # -- run records ------------------------------------------------------------------------
 
     def event(self, kind: str, **fields: Any) -> None:
-        record = {"at": utc_now(), "event": kind, "job": self.job.job_id,
+        """One decision: a JSON line in the event log, and a line on the job's output naming its
+        nodes, step and exit code (``_SHOWN``) before the reason."""
+        record = {"at": utc_now("milliseconds"), "event": kind, "job": self.job.job_id,
                   "restart": self.job.restart_count, **fields}
         self._record((json.dumps(record, sort_keys=False) + "\n").encode())
-        print(f"resume slurm: {kind}: {fields.get('reason', '')}".rstrip(": "), flush=True)
+        facts = " ".join(f"{key}={_fact(fields[key])}" for key in _SHOWN if fields.get(key) is not None)
+        reason = fields.get("reason", "")
+        print(f"resume slurm: {kind}" + (f" [{facts}]" if facts else "") + (f": {reason}" if reason else ""),
+              flush=True)
 
     def _record(self, line: bytes) -> None:
         """One line at the end of the event log. A log that is not a regular file of ours (a
@@ -509,6 +525,13 @@ class Supervisor:
         """The run's layout as it is now (a framework's first save may have made it)."""
         if self.cfg.exit_signal is None:
             self.rundir.layout = detect_layout(self.rundir.storage)
+
+    def _committed_quietly(self) -> int | None:
+        """The newest committed step for an event line; None when there is none or storage refuses."""
+        try:
+            return self._latest_committed()
+        except (ResumeError, OSError):
+            return None
 
     def _latest_committed(self) -> int | None:
         self._detect_layout()

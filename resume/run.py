@@ -155,8 +155,9 @@ def _problem(source: str, expected: str, e: BaseException) -> str:
     return f"{source}: expected {expected}, actual {type(e).__name__}: {message}"
 
 
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+def utc_now(timespec: str = "seconds") -> str:
+    """Now, in UTC, ISO 8601 (``timespec="milliseconds"`` for event logs)."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec=timespec)
 
 
 @dataclass

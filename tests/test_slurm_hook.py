@@ -6,6 +6,7 @@ The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -669,3 +670,17 @@ def test_slurm_time_limits_in_every_form_slurm_takes(text, seconds):
     from resume.cluster.grace import slurm_time_s
 
     assert slurm_time_s(text) == seconds
+
+
+def test_job_output_lines_name_the_nodes_the_step_and_the_exit_code_and_events_have_milliseconds(tmp_path, capsys):
+    run = Run.open(str(tmp_path / "run"), create=True)
+    commit_checkpoint(run, 6)
+    launcher = Launcher([lambda: FakeStep(1), lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2", "n3"], launcher, spares=1, states={"n2": "down*"})
+    assert sup.run() == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume slurm: ")]
+    assert "resume slurm: launch [launch=1 dp=2 nodes=n1,n2 tasks=2 committed_step=6]" in lines[1]
+    assert any(line.startswith("resume slurm: nodes_failed [nodes=n2 committed_step=6 exit_code=1]")
+               for line in lines)
+    assert lines[-1].startswith("resume slurm: finished [nodes=n1,n3 committed_step=6 exit_code=0]")
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", e["at"]) for e in events(tmp_path))
