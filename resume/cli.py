@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shlex
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from .errors import (
     UnsafePathError,
     UsageError,
 )
-from .lease import read_holder
+from .lease import Holder, read_holder
 from .manifest import Manifest
 from .run import CheckResult, Run
 from .state import TrainState
@@ -403,7 +404,8 @@ def ls_command(run_url: str, as_json: bool) -> int:
     if as_json:
         _emit_json({"run": run.url, "layout": run.layout.name, "latest_hint": run.latest_hint(),
                     "lease": None if holder is None else {**dataclasses.asdict(holder), "age_s": round(
-                        time.time() - holder.heartbeat_at, 1)},
+                        time.time() - holder.heartbeat_at, 1), "stale_because": holder.stale_because(
+                            time.time(), host=socket.gethostname())},
                     "checkpoints": [
             {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
              "train_state": (r.manifest.train_state.to_dict() if r.manifest else
@@ -434,8 +436,18 @@ def ls_command(run_url: str, as_json: bool) -> int:
         else:
             click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
     # The writer (runbooks/two-jobs.md): the job holding the run's lease, if any.
-    click.echo(f"lease: {holder.describe(time.time()) if holder else 'none (no job is writing this run)'}")
+    click.echo(f"lease: {_describe_lease(holder)}")
     return EXIT_OK
+
+
+def _describe_lease(holder: Holder | None) -> str:
+    """The lease for a listing: its holder, and whether it is gone (a dead pid on this host, a
+    stale or impossible heartbeat); the next job takes such a lease over."""
+    if holder is None:
+        return "none (no job is writing this run)"
+    now = time.time()
+    gone = holder.stale_because(now, host=socket.gethostname())
+    return holder.describe(now) + (f"; holder gone: {gone} (the next job takes the lease over)" if gone else "")
 
 
 def _derived_counters(run: Run, results: list[CheckResult]) -> dict[int, TrainState]:

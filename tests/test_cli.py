@@ -416,5 +416,27 @@ def test_ls_names_the_job_holding_the_run_lease(run_copy):
     proc = resume("ls", run_copy)
     assert proc.returncode == 0
     assert f"lease: job 4242 (host {socket.gethostname()}, pid {os.getpid()}), heartbeat" in proc.stdout
+    assert "holder gone" not in proc.stdout  # this process holds it
     body = json.loads(resume("ls", run_copy, "--json").stdout)
     assert body["lease"]["job_id"] == "4242" and body["lease"]["ttl_s"] == 120
+    assert body["lease"]["stale_because"] is None
+
+
+def test_ls_says_when_the_lease_holder_is_gone(run_copy):
+    from resume.lease import Lease
+    from resume.storage import LocalStorage
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lease = Lease(LocalStorage(run_copy), job_id="4343", ttl_s=120)
+    lease.acquire()
+    path = os.path.join(run_copy, "lease.json")
+    with open(path) as f:
+        body = json.load(f)
+    body["pid"] = dead.pid  # a job that died without releasing its lease
+    with open(path, "w") as f:
+        json.dump(body, f)
+    proc = resume("ls", run_copy)
+    assert proc.returncode == 0
+    assert f"holder gone: process {dead.pid} on this host is gone (the next job takes the lease over)" in proc.stdout
+    assert json.loads(resume("ls", run_copy, "--json").stdout)["lease"]["stale_because"].startswith("process")

@@ -6,8 +6,8 @@ The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import threading
