@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ EXIT_CRASH_LOOP = 5
 EXIT_UNRECOVERABLE = 1
 EVENTS = "cluster/events.jsonl"
 STATE = "cluster/hook.json"
+TASK = (sys.executable, "-m", "resume.cluster.task", "--")
+"""Every task of the step starts through this: torchrun's variables from srun's (cluster/task.py)."""
 EVENTS_CAP = 64 << 20  # bytes; a longer event log is moved aside and a new one begun
 
 
@@ -415,7 +418,7 @@ class Supervisor:
                    RESUME_LAUNCH=str(self.state.launches), **self.accept_env)
         cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={tasks}",
                f"--ntasks-per-node={self.cfg.tasks_per_node}", f"--nodelist={','.join(nodes)}",
-               "--kill-on-bad-exit=1", *self.cfg.command]
+               "--kill-on-bad-exit=1", *TASK, *self.cfg.command]
         self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
                    master=f"{master}:{port}", committed_step=self._committed_quietly(), **self.accept_env)
         return self.popen(cmd, env=env)

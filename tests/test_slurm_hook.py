@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -25,6 +26,7 @@ from resume.cluster.slurm import (
 )
 from resume.cluster.template import SbatchTemplate
 from support.cli import assert_one_line_error, resume
+from support.ports import free_port
 
 from resume.checksum import checksum_bytes
 from resume.control import answer_request, pending_requests
@@ -684,3 +686,39 @@ def test_job_output_lines_name_the_nodes_the_step_and_the_exit_code_and_events_h
                for line in lines)
     assert lines[-1].startswith("resume slurm: finished [nodes=n1,n3 committed_step=6 exit_code=0]")
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", e["at"]) for e in events(tmp_path))
+
+
+def test_every_task_of_the_step_starts_through_the_shim_that_sets_torchruns_variables(tmp_path):
+    launcher = Launcher([lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2"], launcher)
+    assert sup.run() == 0
+    assert launcher.launches[0]["cmd"][-5:] == [sys.executable, "-m", "resume.cluster.task", "--", "train"]
+
+
+@pytest.mark.parametrize(("slurm", "expected"), [
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
+      "SLURM_NODEID": "2", "SLURM_NNODES": "4"},
+     {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "2", "NNODES": "4"}),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x1),1"},
+     {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}),
+    ({}, {}),
+])
+def test_torchruns_variables_come_from_sruns(slurm, expected):
+    from resume.cluster.task import torchrun_env
+
+    assert torchrun_env(slurm) == expected
+
+
+def test_the_task_shim_runs_the_command_with_the_variables_init_process_group_reads(tmp_path):
+    env = {**os.environ, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+           "SLURM_NTASKS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.pop("RANK", None)
+    script = ("import torch.distributed as dist; dist.init_process_group('gloo'); "
+              "print(dist.get_rank(), dist.get_world_size()); dist.destroy_process_group()")
+    proc = subprocess.run([sys.executable, "-m", "resume.cluster.task", "--", sys.executable, "-c", script],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "1"]
+    missing = subprocess.run([sys.executable, "-m", "resume.cluster.task", "--", "no-such-command-here"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert missing.returncode == 127 and missing.stderr.startswith("resume: error: no-such-command-here")

@@ -1,0 +1,68 @@
+"""One task of the training step: ``python -m resume.cluster.task -- COMMAND...``.
+
+The hook launches every task of the step through this (``srun ... python -m
+resume.cluster.task -- COMMAND``). It sets the variables torchrun would set, from
+the ones srun gives each task, then replaces itself with the command (``exec``: the
+command is the task, and gets srun's signals directly)::
+
+    RANK              SLURM_PROCID
+    WORLD_SIZE        SLURM_NTASKS
+    LOCAL_RANK        SLURM_LOCALID
+    LOCAL_WORLD_SIZE  SLURM_NTASKS_PER_NODE (else the first count of SLURM_TASKS_PER_NODE)
+    NODE_RANK         SLURM_NODEID
+    NNODES            SLURM_NNODES
+
+MASTER_ADDR and MASTER_PORT come from the hook (the step's first node, a port of this
+launch), so ``torch.distributed.init_process_group()`` works with no arguments. The
+hook also sets RESUME_DP (the data-parallel size of this launch) and RESUME_LAUNCH (its
+count); the README's "Launch contract" lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+
+__all__ = ["TORCHRUN_FROM_SLURM", "main", "torchrun_env"]
+
+TORCHRUN_FROM_SLURM = {
+    "RANK": "SLURM_PROCID",
+    "WORLD_SIZE": "SLURM_NTASKS",
+    "LOCAL_RANK": "SLURM_LOCALID",
+    "NODE_RANK": "SLURM_NODEID",
+    "NNODES": "SLURM_NNODES",
+}
+
+
+def torchrun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for this task, from srun's in ``env`` (those srun did not set: absent)."""
+    out = {name: env[slurm] for name, slurm in TORCHRUN_FROM_SLURM.items() if env.get(slurm)}
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    if not per_node.isdigit():  # "2(x3),1": the first node's count
+        match = re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", ""))
+        per_node = match.group(0) if match else ""
+    if per_node:
+        out["LOCAL_WORLD_SIZE"] = per_node
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("resume: error: resume.cluster.task: expected -- COMMAND..., actual no command", file=sys.stderr)
+        return 2
+    os.environ.update(torchrun_env(os.environ))
+    try:
+        os.execvp(args[0], args)
+    except OSError as e:
+        print(f"resume: error: {args[0]}: expected a command to run, actual {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
