@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +55,11 @@ EVENTS = "cluster/events.jsonl"
 STATE = "cluster/hook.json"
 TASK = (sys.executable, "-m", "resume.cluster.task", "--")
 """Every task of the step starts through this: torchrun's variables from srun's (cluster/task.py)."""
-EVENTS_CAP = 64 << 20  # bytes; a longer event log is moved aside and a new one begun
+EVENTS_CAP = 64 << 20
+STEP_REFUSED = b"Unable to create step"
+"""What srun says when Slurm will not start the step on the nodes asked (one left the job)."""
+MAX_REFUSALS = 3
+"""Refused launches in a row that end this allocation (the job is requeued elsewhere)."""  # bytes; a longer event log is moved aside and a new one begun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +174,13 @@ class Supervisor:
                  env: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
         self.job = job
+        self.allocation = list(job.nodes)
+        """The job's nodes as Slurm holds them now (``_follow_allocation``), in the job's order."""
         self.slurm = slurm
         self.popen = popen
+        self._refusals = 0  # launches Slurm refused in a row
+        self._refused = threading.Event()
+        self._relay: threading.Thread | None = None
         self.clock = clock
         self.sleep = sleep
         self.env = dict(os.environ if env is None else env)
@@ -199,6 +209,7 @@ class Supervisor:
         self._forget_recovered_nodes()
         self._withdraw_stale_requests()
         while True:
+            self._follow_allocation()
             chosen = self._choose_nodes()
             if chosen is None:
                 return self._requeue_elsewhere("not enough healthy nodes for any valid data-parallel size")
@@ -229,22 +240,42 @@ class Supervisor:
     # -- decisions --------------------------------------------------------------------------
 
     def _choose_nodes(self) -> tuple[int, list[str]] | None:
-        healthy = [n for n in self.job.nodes if n not in self.state.bad_nodes]
+        healthy = [n for n in self.allocation if n not in self.state.bad_nodes]
         fits = len(healthy) // self.cfg.nodes_per_replica
         valid = self.cfg.valid_dp(min(fits, self.planned_dp))
         if not valid:
             return None
         dp = valid[0]
         nodes = healthy[: dp * self.cfg.nodes_per_replica]
-        if set(self.state.bad_nodes) & set(self.job.nodes):
+        lost = [n for n in self.job.nodes if n not in healthy]
+        if lost:
             if dp == self.planned_dp:
-                reason = f"bad nodes {self.state.bad_nodes} replaced by spares inside the allocation"
+                reason = f"nodes {lost} (bad or no longer in the job) replaced by spares inside the allocation"
                 self.event("relaunch_on_spares", dp=dp, nodes=nodes, reason=reason)
             else:
                 reason = (f"{len(healthy)} healthy nodes hold no {self.planned_dp} replicas: the next "
                           f"valid data-parallel size keeping global batch {self.cfg.global_batch}")
                 self.event("shrink", from_dp=self.planned_dp, to_dp=dp, nodes=nodes, reason=reason)
         return dp, nodes
+
+    def _follow_allocation(self) -> list[str]:
+        """The job's nodes as Slurm has them now (``scontrol show job``); the nodes it removed,
+        which count as failed for the rest of this allocation, even back in service."""
+        try:
+            current = set(self.slurm.job_nodes(self.job.job_id))
+        except SlurmError as e:
+            self.event("allocation_unknown", reason=f"{e}: the last known nodes are used")
+            return []
+        if not current:  # a running job holds nodes: a listing without any says nothing
+            self.event("allocation_unknown", reason="scontrol lists no node for the job: the last known "
+                                                    "nodes are used")
+            return []
+        removed = [n for n in self.allocation if n not in current]
+        if removed:
+            self.allocation = [n for n in self.allocation if n in current]
+            self.event("nodes_removed", nodes=removed, reason="Slurm removed them from the job (a node "
+                       "failure): not used again in this allocation, even if back in service")
+        return removed
 
     def _forget_recovered_nodes(self) -> None:
         """Nodes recorded bad that Slurm now reports healthy are used again (growing back)."""
@@ -262,6 +293,17 @@ class Supervisor:
             self.event("nodes_back", nodes=back, reason="Slurm reports them healthy again")
 
     def _after_failure(self, rc: int, nodes: list[str]) -> int | None:
+        if set(self._follow_allocation()) & set(nodes):
+            return None  # a node of the step left the job: re-planned, not a crash of the training
+        if self._step_refused():
+            self._refusals += 1
+            self.event("launch_refused", exit_code=rc, nodes=nodes, refusals=self._refusals,
+                       reason="Slurm refused to create the step (srun: Unable to create step): "
+                              "re-planned on the job's current nodes, not counted as a crash")
+            if self._refusals >= MAX_REFUSALS:
+                return self._requeue_elsewhere(f"Slurm refused {self._refusals} launches in a row")
+            return None
+        self._refusals = 0
         committed = self._latest_committed()
         try:
             states = self.slurm.node_states(self.job.nodes)
@@ -421,7 +463,33 @@ class Supervisor:
                "--kill-on-bad-exit=1", *TASK, *self.cfg.command]
         self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
                    master=f"{master}:{port}", committed_step=self._committed_quietly(), **self.accept_env)
-        return self.popen(cmd, env=env)
+        proc = self.popen(cmd, env=env, stderr=subprocess.PIPE)
+        self._refused.clear()
+        stream = getattr(proc, "stderr", None)
+        self._relay = None
+        if stream is not None:  # srun's errors, passed on to the job's output as they come
+            self._relay = threading.Thread(target=self._relay_stderr, args=(stream,), name="srun-stderr",
+                                           daemon=True)
+            self._relay.start()
+        return proc
+
+    def _relay_stderr(self, stream: Any) -> None:
+        """Copy the step's stderr to the hook's, noting whether Slurm refused to create the step."""
+        out = getattr(sys.stderr, "buffer", None)
+        for line in iter(stream.readline, b""):
+            if STEP_REFUSED in line:
+                self._refused.set()
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:
+                sys.stderr.write(line.decode(errors="replace"))
+
+    def _step_refused(self) -> bool:
+        """Whether srun said it could not create the step (its stderr read to the end)."""
+        if self._relay is not None:
+            self._relay.join(timeout=5.0)
+        return self._refused.is_set()
 
     def _accept_env(self) -> dict[str, str]:
         """``RESUME_ACCEPT_CHANGES`` for the step: the environment's names, then --accept-change's.

@@ -157,6 +157,16 @@ class Slurm:
     def requeue(self, job_id: str) -> None:
         self.call("scontrol", "requeue", job_id)
 
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes the job holds now (``scontrol show job``'s NodeList): Slurm removes a failed
+        node from a ``--no-kill`` job, and may return it to service, but not to the job."""
+        out = self.call("scontrol", "show", "job", "-o", job_id)
+        for item in out.split():
+            if item.startswith("NodeList="):
+                value = item.split("=", 1)[1]
+                return [] if value in ("", "(null)") else parse_nodelist(value)
+        raise SlurmError(f"scontrol show job {job_id}: expected a NodeList field, actual none")
+
     def node_states(self, nodes: list[str]) -> dict[str, str]:
         """Node -> state (``idle``, ``allocated``, ``down*``, ``drained``...), lower case."""
         out = self.call("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T")

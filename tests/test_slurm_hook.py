@@ -5,6 +5,7 @@ The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -86,10 +87,14 @@ def test_slurm_commands_are_retried_a_bounded_number_of_times():
 
 
 class FakeSlurm(Slurm):
-    def __init__(self, states=None):
+    def __init__(self, states=None, allocation=None):
         super().__init__(run=None, sleep=lambda s: None)
         self.states = states or {}
+        self.allocation = allocation or []
         self.calls = []
+
+    def job_nodes(self, job_id):
+        return list(self.allocation)
 
     def node_states(self, nodes):
         return {n: self.states.get(n, "allocated") for n in nodes}
@@ -103,11 +108,12 @@ class FakeSlurm(Slurm):
 
 
 class FakeStep:
-    def __init__(self, rc, on_start=None, run_forever=False):
+    def __init__(self, rc, on_start=None, run_forever=False, stderr=b""):
         self.rc = rc
         self.returncode = None
         self.run_forever = run_forever
         self.signals = []
+        self.stderr = io.BytesIO(stderr)
         if on_start:
             on_start()
 
@@ -128,7 +134,7 @@ class Launcher:
         self.steps = list(steps)
         self.launches = []
 
-    def __call__(self, cmd, env):
+    def __call__(self, cmd, env, **kwargs):
         self.launches.append({"cmd": cmd, "env": env})
         return self.steps.pop(0)()
 
@@ -137,7 +143,7 @@ def hook(tmp_path, nodes, launcher, *, spares=0, states=None, **kw):
     cfg = HookConfig(run_url=str(tmp_path / "run"), command=["train"], global_batch=8, spares=spares,
                      poll_s=0.01, **kw)
     job = SlurmJob(job_id="42", nodes=nodes, restart_count=0)
-    slurm = FakeSlurm(states)
+    slurm = FakeSlurm(states, allocation=list(nodes))
     return Supervisor(cfg, job, slurm, popen=launcher, sleep=lambda s: None), slurm
 
 
@@ -567,7 +573,7 @@ def accepting_hook(tmp_path, launcher, accept, env):
     cfg = HookConfig(run_url=str(tmp_path / "run"), command=["train"], global_batch=8, poll_s=0.01,
                      accept_changes=accept)
     job = SlurmJob(job_id="42", nodes=["n1", "n2"], restart_count=1)
-    return Supervisor(cfg, job, FakeSlurm(), popen=launcher, sleep=lambda s: None, env=env)
+    return Supervisor(cfg, job, FakeSlurm(allocation=job.nodes), popen=launcher, sleep=lambda s: None, env=env)
 
 
 def test_accepted_changes_reach_every_launch_of_the_step_added_to_the_environments(tmp_path):
@@ -722,3 +728,56 @@ def test_the_task_shim_runs_the_command_with_the_variables_init_process_group_re
     missing = subprocess.run([sys.executable, "-m", "resume.cluster.task", "--", "no-such-command-here"],
                              capture_output=True, text=True, timeout=60, check=False)
     assert missing.returncode == 127 and missing.stderr.startswith("resume: error: no-such-command-here")
+
+
+def test_a_node_removed_from_the_job_counts_as_failed_even_back_in_service(tmp_path):
+    """Slurm removes a downed node from a --no-kill job and (ReturnToService=2) returns it to
+    service at once: it is healthy to sinfo but no longer the job's. The hook follows the job."""
+    sup, slurm = None, None
+
+    def node_fails():
+        slurm.allocation = ["n1", "n3"]  # n2 left the job; sinfo says it is idle again
+        return FakeStep(1)
+
+    launcher = Launcher([node_fails, lambda: FakeStep(0)])
+    sup, slurm = hook(tmp_path, ["n1", "n2", "n3"], launcher, spares=1, crash_loop=1)
+    assert sup.run() == 0
+    assert nodelist(launcher.launches[0]) == ["n1", "n2"] and nodelist(launcher.launches[1]) == ["n1", "n3"]
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds == ["start", "launch", "nodes_removed", "relaunch_on_spares", "launch", "finished"]
+    assert next(e for e in events(tmp_path) if e["event"] == "nodes_removed")["nodes"] == ["n2"]
+
+
+def test_a_launch_slurm_refuses_is_replanned_not_counted_as_a_crash(tmp_path, capfd):
+    refused = b"srun: error: Unable to create step for job 42: Requested node configuration is not available\n"
+    launcher = Launcher([lambda: FakeStep(1, stderr=refused)] * 2 + [lambda: FakeStep(0)])
+    sup, _ = hook(tmp_path, ["n1", "n2"], launcher, crash_loop=2)  # two crashes would stop the job
+    assert sup.run() == 0
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds.count("launch_refused") == 2 and "step_failed" not in kinds and "crash_loop" not in kinds
+    assert kinds[-1] == "finished"
+    assert "Unable to create step" in capfd.readouterr().err  # srun's words reach the job output
+
+
+def test_refused_launches_in_a_row_requeue_the_job_elsewhere(tmp_path):
+    refused = b"srun: error: Unable to create step for job 42: Requested node configuration is not available\n"
+    launcher = Launcher([lambda: FakeStep(1, stderr=refused)] * 3)
+    sup, slurm = hook(tmp_path, ["n1", "n2"], launcher)
+    assert sup.run() == 0
+    assert [e["event"] for e in events(tmp_path)][-1] == "requeue_excluding"
+    assert ("scontrol", "requeue", "42") in slurm.calls
+
+
+@pytest.mark.parametrize(("line", "nodes"), [
+    ("JobId=42 JobName=train JobState=RUNNING NodeList=n[1,3] BatchHost=n1 NumNodes=2", ["n1", "n3"]),
+    ("JobId=42 JobState=PENDING NodeList=(null) NumNodes=3", []),
+])
+def test_the_jobs_current_nodes_come_from_scontrol_show_job(line, nodes):
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, stdout=line + "\n", stderr="")
+
+    assert Slurm(run=run).job_nodes("42") == nodes
+    assert calls == [["scontrol", "show", "job", "-o", "42"]]
