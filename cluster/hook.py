@@ -352,6 +352,13 @@ class Supervisor:
             max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
         self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
+        complete = self._complete_step() if proc.poll() == 0 else None
+        if complete is not None:  # the run ended as the signal came: nothing left to train
+            self._save_state()
+            self.event("finished", exit_code=0, committed_step=complete,
+                       reason=f"the run is complete (step {complete} is its last) and the step exited 0: "
+                              f"no requeue after {name}")
+            return 0
         return self._requeue("requeued", reason=f"after {name}")
 
     def _save_by_request(self, proc: Any, name: str, save_wait: float) -> bool:
@@ -596,6 +603,15 @@ class Supervisor:
         """The run's layout as it is now (a framework's first save may have made it)."""
         if self.cfg.exit_signal is None:
             self.rundir.layout = detect_layout(self.rundir.storage)
+
+    def _complete_step(self) -> int | None:
+        """The newest committed step when its manifest marks the run complete, else None."""
+        try:
+            self._detect_layout()
+            manifest, _ = self.rundir.find_latest()
+        except (ResumeError, OSError):
+            return None
+        return manifest.step if manifest is not None and manifest.complete else None
 
     def _committed_quietly(self) -> int | None:
         """The newest committed step for an event line; None when there is none or storage refuses."""

@@ -411,6 +411,7 @@ def ls_command(run_url: str, as_json: bool) -> int:
              "train_state": (r.manifest.train_state.to_dict() if r.manifest else
                              derived[r.step].to_dict() if r.step in derived else None),
              "counters_derived": r.manifest is None and r.step in derived,
+             "complete": bool(r.manifest and r.manifest.complete),
              "bytes": r.manifest.total_bytes if r.manifest else None,
              "created_at": r.manifest.created_at if r.manifest else None} for r in results]})
         return EXIT_OK if results else EXIT_NOTHING
@@ -435,6 +436,9 @@ def ls_command(run_url: str, as_json: bool) -> int:
                        "(no resume manifest; counters derived from Megatron's state, not verified)")
         else:
             click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
+    complete = [r.step for r in results if r.committed and r.manifest is not None and r.manifest.complete]
+    if complete:
+        click.echo(f"run complete at step {complete[-1]} (total_iterations reached: a restart trains no further)")
     # The writer (runbooks/two-jobs.md): the job holding the run's lease, if any.
     click.echo(f"lease: {_describe_lease(holder)}")
     return EXIT_OK
@@ -503,6 +507,7 @@ def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
     click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
     click.echo(f"  topology      {json.dumps(manifest.topology, sort_keys=True)}")
     click.echo(f"  user          {json.dumps(manifest.user, sort_keys=True) if manifest.user else 'none'}")
+    click.echo("  complete      " + ("yes (the run's last checkpoint)" if manifest.complete else "no"))
     click.echo(f"  changes       {len(manifest.changes) or 'none'}")
     for change in manifest.changes:
         item = change["item"] if change["item"].isprintable() else _shown(change["item"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UsageError
-from .policy import EveryN, KeepPolicy, OnRequest, OnSignal, SaveFailureTolerance, SavePolicy
+from .policy import AtEnd, EveryN, KeepPolicy, OnRequest, OnSignal, SaveFailureTolerance, SavePolicy
 
 __all__ = ["CoordinatorConfig", "as_json"]
 
@@ -22,6 +22,11 @@ class CoordinatorConfig:
     """Samples per iteration over all ranks."""
     every: int = 200
     """Save every N iterations (0: only on request or signal)."""
+    total_iterations: int | None = None
+    """The run's end. ``batches()`` yields nothing once the iteration reaches it, the update
+    that reaches it saves a checkpoint marked complete (``Manifest.complete``), and the Slurm
+    hook never requeues a job whose run is complete. May grow at a restart (train longer);
+    None: the run ends where the loop stops (its loader's end), unmarked."""
     keep: int = 3
     """Newest committed checkpoints kept by retention (>= 2)."""
     keep_every: int | None = None
@@ -87,7 +92,8 @@ class CoordinatorConfig:
 
     def save_policy(self) -> SavePolicy:
         """When to save: every N iterations, on a request, on a signal."""
-        return EveryN(self.every) | OnRequest() | OnSignal()
+        policy = EveryN(self.every) | OnRequest() | OnSignal()
+        return policy | AtEnd(self.total_iterations) if self.total_iterations is not None else policy
 
     def retention(self) -> KeepPolicy:
         return KeepPolicy(keep_last=self.keep, keep_every=self.keep_every)

@@ -159,8 +159,9 @@ class Coordinator:
         return self.state
 
     def batches(self) -> Iterator[Any]:
-        """This rank's batches, from where the run stands; stops when ``should_stop``."""
-        while not self.should_stop:
+        """This rank's batches, from where the run stands; stops when ``should_stop`` or when the
+        run is complete (``total_iterations``), also right after a restore at its end."""
+        while not self.should_stop and not self.complete:
             batch = self._next.take()
             if batch is END:
                 return
@@ -170,6 +171,15 @@ class Coordinator:
                 check_lrs(self.adapter, first, 0, self.adapter.current_lrs(), "lr at the first update",
                           rank=self.rank)
             yield batch
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run reached its end (``total_iterations``; never without one)."""
+        return self._reached_end(self.state.iteration)
+
+    def _reached_end(self, iteration: int) -> bool:
+        total = self.settings.total_iterations
+        return total is not None and iteration >= total
 
     def update(self, *, applied: bool = True, samples: int | None = None, tokens: int | None = None,
                tokens_in_loss: int | None = None) -> bool:
@@ -352,7 +362,8 @@ class Coordinator:
                       **({"stall_s": round(stall, 3)} if stall is not None else {})}
             return Manifest(step=step, train_state=state, files={}, expectation=expectation.to_dict(),
                             topology=self.adapter.topology(), config=self.settings.recorded_config(),
-                            timing=timing, adapter=self.adapter.name, **record)
+                            timing=timing, adapter=self.adapter.name,
+                            complete=self._reached_end(state.iteration), **record)
         return build
 
     def _abandon(self, commit: StepCommit) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .state import TrainState
+from .text import short
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "FileEntry", "Manifest", "check_relative_path"]
 
@@ -57,6 +58,9 @@ class Manifest:
     changes: list[dict[str, Any]] = field(default_factory=list)
     """Settings changed on purpose at a restart (``accept_changes``): ``{step, item, from, to}``,
     oldest first, carried from manifest to manifest."""
+    complete: bool = False
+    """The run's last checkpoint: saved at ``total_iterations`` (the run is done; the Slurm hook
+    does not requeue it)."""
 
     def to_json(self) -> str:
         body = {
@@ -73,6 +77,7 @@ class Manifest:
             "expectation": self.expectation,
             "user": self.user,
             "changes": self.changes,
+            "complete": self.complete,
         }
         return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
@@ -92,6 +97,9 @@ class Manifest:
             if not isinstance(body.get(name, {}), dict):
                 raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
         changes = _parse_changes(body.get("changes", []), source=source)
+        complete = body.get("complete", False)
+        if not isinstance(complete, bool):
+            raise ManifestError(f"{source}: complete: expected true or false, actual {short(complete)}")
         return cls(
             step=step,
             train_state=TrainState.from_dict(body.get("train_state"), source=source),
@@ -105,6 +113,7 @@ class Manifest:
             schema_version=body["schema_version"],
             user=body.get("user", {}),
             changes=changes,
+            complete=complete,
         )
 
 

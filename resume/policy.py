@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import LeaseLostError, SaveFailedError, UsageError
 
-__all__ = ["AnySavePolicy", "Decision", "DecisionContext", "EveryN", "KeepPolicy", "OnRequest", "OnSignal",
+__all__ = ["AnySavePolicy", "AtEnd", "Decision", "DecisionContext", "EveryN", "KeepPolicy", "OnRequest", "OnSignal",
            "SaveFailureTolerance", "SavePolicy"]
 
 log = logging.getLogger("resume")
@@ -118,6 +118,24 @@ class OnSignal(SavePolicy):
 
     def wants(self, ctx: DecisionContext) -> bool:
         return ctx.stop
+
+    def stops(self, ctx: DecisionContext) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class AtEnd(SavePolicy):
+    """The run's last iteration (``total_iterations``): save it (marked complete), then stop."""
+
+    total: int
+    reason = "end"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
+            raise UsageError(f"total_iterations: expected >= 1 iterations, actual {self.total!r}")
+
+    def wants(self, ctx: DecisionContext) -> bool:
+        return ctx.iteration >= self.total
 
     def stops(self, ctx: DecisionContext) -> bool:
         return True

@@ -781,3 +781,36 @@ def test_the_jobs_current_nodes_come_from_scontrol_show_job(line, nodes):
 
     assert Slurm(run=run).job_nodes("42") == nodes
     assert calls == [["scontrol", "show", "job", "-o", "42"]]
+
+
+def commit_complete(run, step):
+    """The run's last checkpoint, as a Coordinator with total_iterations=step commits it."""
+    run.storage.write_bytes_atomic(run.step_path(step, "x"), b"x")
+    run.write_manifest(Manifest(step=step, train_state=TrainState(iteration=step, updates_successful=step,
+                                                                samples_read=8 * step),
+                                files={"x": FileEntry(1, checksum_bytes(b"x"))}, complete=True))
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_time_limit_signal_as_a_complete_run_ends_finishes_the_job_without_requeue(tmp_path, complete):
+    run_dir = str(tmp_path / "run")
+
+    def ends_as_the_signal_comes():
+        run = Run.open(run_dir, create=True)
+        (commit_complete if complete else commit_checkpoint)(run, 12)
+        os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's time-limit warning, as the step exits 0
+        return FakeStep(0)
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([ends_as_the_signal_comes]), grace_s=30)
+        assert sup.run() == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    last = events(tmp_path)[-1]
+    if complete:
+        assert last["event"] == "finished" and last["committed_step"] == 12
+        assert not any(c[:2] == ("scontrol", "requeue") for c in slurm.calls)
+    else:  # exit 0 without the run's end is a stop (a save-and-stop), not the end: requeued
+        assert last["event"] == "requeued" and ("scontrol", "requeue", "42") in slurm.calls
