@@ -57,7 +57,8 @@ def build(args: argparse.Namespace, rank: int, world: int):
     data = StatefulLoader(dataset, sampler)
     adapter = NativeTorchAdapter(ddp, optimizer, scheduler, data)
     coord = Coordinator(args.run, adapter, global_batch=GLOBAL_BATCH, every=args.every, keep=3,
-                        seq_len=cfg.seq_len, config={"seed": args.seed, "model": asdict(cfg)})
+                        total_iterations=args.iterations, seq_len=cfg.seq_len,
+                        config={"seed": args.seed, "model": asdict(cfg)})
     return model, ddp, optimizer, scheduler, coord
 
 
@@ -99,6 +100,8 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         write_final(args.final, model, optimizer, coord)
     coord.close()
+    if args.linger:  # a slow exit after the run's end (a signal may land meanwhile)
+        time.sleep(args.linger)
     # Leave together: a rank that tears gloo down while its peer is still
     # busy can abort ("terminate called without an active exception").
     dist.barrier()
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Seconds to sleep per iteration (to give a signal time to land).")
     parser.add_argument("--crash-at", type=int, default=0,
                         help="Raise at this iteration, every time (a crash loop).")
+    parser.add_argument("--linger", type=float, default=0.0,
+                        help="Seconds to wait after the run's end before exiting.")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     _env_from_slurm(os.environ)

@@ -86,7 +86,8 @@ def events(run: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = ()) -> tuple[str, dict]:
+def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = (), nodes_per_replica: int = 1,
+           tasks_per_node: int = 1) -> tuple[str, dict]:
     run = str(tmp_path / "run")
     paths = {"run": run, "trace": str(tmp_path / "trace.jsonl"), "final": str(tmp_path / "final.json"),
              "out": str(tmp_path / "job.out")}
@@ -97,6 +98,7 @@ def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = ()
     script = tmp_path / "job.sbatch"
     sh(sys.executable, "-m", "resume.cli", "slurm", "template", "--run", run, "--nodes", str(nodes),
        "--spares", str(spares), "--global-batch", "8", "--grace", "60", "--output", paths["out"],
+       "--nodes-per-replica", str(nodes_per_replica), "--tasks-per-node", str(tasks_per_node),
        "--out", str(script), "--", *worker)
     job_id = sh("sbatch", "--parsable", str(script)).strip().split(";")[0]
     return job_id, paths
@@ -210,3 +212,104 @@ def test_a_step_that_always_crashes_at_the_same_iteration_stops_requeueing(clust
     evs = events(paths["run"])
     assert evs[-1]["event"] == "crash_loop" and evs[-1]["committed_step"] == 5
     assert [e["event"] for e in evs].count("launch") == 3
+
+
+def test_a_node_set_down_without_draining_is_replaced_by_the_spare(cluster, tmp_path):
+    """ReturnToService=2: Slurm removes the downed node from the job, then returns it to service
+    within milliseconds. The hook follows the job's node list, not the node's state."""
+    job_id, paths = submit(tmp_path, nodes=3, spares=1)
+    wait_for(lambda: trace_lines(paths["trace"]) >= 12, 180, "training")
+    victim = next(e for e in events(paths["run"]) if e["event"] == "launch")["nodes"][-1]
+    try:
+        sh("scontrol", "update", f"nodename={victim}", "state=down", "reason=resume-test")
+        fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    finally:
+        sh("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
+    assert fields["JobState"] == "COMPLETED", (fields, debug(paths))
+    assert fields["Restarts"] == "0"
+    evs = events(paths["run"])
+    kinds = [e["event"] for e in evs]
+    assert "crash_loop" not in kinds and "step_failed" not in kinds, (kinds, debug(paths))
+    relaunch = [e for e in evs if e["event"] == "launch"][-1]
+    assert victim not in relaunch["nodes"] and len(relaunch["nodes"]) == 2
+    ref = reference(tmp_path, ranks=2)
+    with open(paths["final"]) as f:
+        final = json.load(f)
+    assert final["params"] == ref["final"]["params"] and final["counters"] == ref["final"]["counters"]
+
+
+def test_a_time_limit_signal_as_the_run_ends_leaves_the_job_completed_not_requeued(cluster, tmp_path):
+    job_id, paths = submit(tmp_path, nodes=2, extra=("--linger", "6"))
+    wait_for(lambda: trace_lines(paths["trace"]) >= ITERATIONS, 240, "the last iteration")
+    sh("scancel", "--signal=USR1", "--batch", job_id)  # as Slurm's time-limit warning would
+    fields = wait_for(lambda: job_done(job_id), 180, "the job to finish")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, debug(paths))
+    evs = events(paths["run"])
+    assert "signal" in [e["event"] for e in evs], debug(paths)  # the signal did land during the step
+    assert evs[-1]["event"] == "finished" and evs[-1]["committed_step"] == ITERATIONS, evs[-1]
+    assert "requeued" not in [e["event"] for e in evs]
+
+
+def test_two_nodes_per_replica_fail_over_to_a_spare_replica(cluster, tmp_path):
+    # One replica of 2 nodes x 2 tasks (4 ranks) and a spare replica: a node failure takes its
+    # whole replica out; the spare pair takes over with the same 4 ranks, bitwise.
+    job_id, paths = submit(tmp_path, nodes=4, spares=2, nodes_per_replica=2, tasks_per_node=2)
+    with one_step_node_down(paths) as victim:
+        fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, debug(paths))
+    launches = [e for e in events(paths["run"]) if e["event"] == "launch"]
+    assert launches[0]["tasks"] == 4 and len(launches[0]["nodes"]) == 2
+    assert victim not in launches[-1]["nodes"] and len(launches[-1]["nodes"]) == 2
+    assert not set(launches[-1]["nodes"]) & set(launches[0]["nodes"])  # the whole replica moved
+    ref = reference(tmp_path, ranks=4)
+    with open(paths["final"]) as f:
+        final = json.load(f)
+    assert final["params"] == ref["final"]["params"] and final["counters"] == ref["final"]["counters"]
+
+
+def test_two_nodes_per_replica_without_a_spare_shrink_keeping_the_global_batch(cluster, tmp_path):
+    job_id, paths = submit(tmp_path, nodes=4, nodes_per_replica=2, tasks_per_node=2)
+    with one_step_node_down(paths):
+        fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    assert fields["JobState"] == "COMPLETED", (fields, debug(paths))
+    shrink = next(e for e in events(paths["run"]) if e["event"] == "shrink")
+    assert (shrink["from_dp"], shrink["to_dp"]) == (2, 1) and len(shrink["nodes"]) == 2
+    launches = [e for e in events(paths["run"]) if e["event"] == "launch"]
+    assert [e["tasks"] for e in launches] == [8, 4]
+    trace = read_trace(paths["trace"])
+    ref = reference(tmp_path, ranks=8)
+    assert [trace[i]["lr"] for i in range(1, ITERATIONS + 1)] == \
+        [ref["trace"][i]["lr"] for i in range(1, ITERATIONS + 1)]
+    with open(paths["final"]) as f:
+        assert json.load(f)["counters"] == ref["final"]["counters"]
+
+
+LAUNCH_CONTRACT = """
+import json, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")  # no rank, no world size, no address: the launch contract
+names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES", "RESUME_DP")
+seen = {n: os.environ.get(n) for n in names} | {"rank": dist.get_rank(), "world": dist.get_world_size()}
+with open(os.path.join(sys.argv[1], f"rank-{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_calling_init_process_group_with_no_arguments_runs_under_the_hook(cluster, tmp_path):
+    script, out = tmp_path / "contract.py", tmp_path / "seen"
+    script.write_text(LAUNCH_CONTRACT)
+    out.mkdir()
+    sbatch = tmp_path / "job.sbatch"
+    sh(sys.executable, "-m", "resume.cli", "slurm", "template", "--run", str(tmp_path / "run"), "--nodes", "2",
+       "--tasks-per-node", "2", "--global-batch", "8", "--grace", "60", "--output", str(tmp_path / "job.out"),
+       "--out", str(sbatch), "--", sys.executable, str(script), str(out))
+    job_id = sh("sbatch", "--parsable", str(sbatch)).strip().split(";")[0]
+    fields = wait_for(lambda: job_done(job_id), 180, "the job to finish")
+    assert fields["JobState"] == "COMPLETED", (fields, debug({"out": str(tmp_path / "job.out")}))
+    seen = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    for r, s in enumerate(seen):
+        assert (s["rank"], s["world"], s["RANK"], s["WORLD_SIZE"]) == (r, 4, str(r), "4")
+        assert s["LOCAL_WORLD_SIZE"] == "2" and s["NNODES"] == "2" and s["RESUME_DP"] == "2"
+    assert sorted((s["NODE_RANK"], s["LOCAL_RANK"]) for s in seen) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
