@@ -865,8 +865,11 @@ def _unpack_optimizers(optimizers: Any) -> list:
         found = list(inner)
     elif isinstance(optimizers, torch.optim.Optimizer):
         found = [optimizers]
-    else:
+    elif isinstance(optimizers, (list, tuple)):
         found = [o for item in optimizers for o in _unpack_optimizers(item)]
+    else:
+        raise UsageError(f"optimizers: expected a torch optimizer, a list of them or a container with an "
+                         f"'optimizers' list, actual {type(optimizers).__name__}")
     for i, opt in enumerate(found):
         if not isinstance(opt, torch.optim.Optimizer):
             raise UsageError(f"optimizers[{i}]: expected a torch.optim.Optimizer, actual {type(opt).__name__}")
