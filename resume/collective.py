@@ -116,21 +116,24 @@ def agreed_error(failures: list[Failure], ranks: int, what: str, *, saving: bool
     """The one error every rank raises when ``failures`` happened on some of ``ranks``.
 
     A continuity error, or the same error of ours on every rank (an invariant every rank
-    checks), stays what it is. Otherwise the message names ``what`` (the phase and step),
-    the ranks and the original class (an ``AttributeError`` from a framework stays named):
-    a save is a SaveFailedError (nothing was committed); anything else keeps the first
-    failure's class. The raising rank chains its own exception (``raise ... from``).
+    checks), stays what it is. The same foreign error on every rank (a framework's
+    ``AttributeError`` in a save) keeps its class name in the message, with ``what`` (the
+    phase and step) and the ranks; it is a ``ResumeError`` (a ``StorageError`` for an
+    ``OSError``), never a save failure a policy would retry. A failure on some ranks only:
+    a save is a SaveFailedError naming each failed rank (nothing was committed); anything
+    else keeps the first failure's class. The raising rank chains its own exception.
     """
     first = failures[0]
-    ours = error_class(first.kind).__name__ == first.kind
     same_everywhere = len(failures) == ranks and all(
         f.fields == first.fields and f.kind == first.kind for f in failures)
-    if first.kind == ContinuityError.__name__ or (ours and same_everywhere):
+    if first.kind == ContinuityError.__name__ or (same_everywhere and error_class(first.kind).__name__ == first.kind):
         return rebuild(first)
-    if same_everywhere and ranks > 1:
-        where, detail = f"on every rank ({ranks})", f"{first.kind}: {first.message}"
-    else:
-        where, detail = f"on {len(failures)} of {ranks} ranks", "; ".join(f.describe() for f in failures)
+    if same_everywhere:
+        where = f"on every rank ({ranks})" if ranks > 1 else f"on rank {first.rank}"
+        return error_class(first.kind)(f"{what}: {'save ' if saving else ''}failed {where}: "
+                                       f"{first.kind}: {first.message}")
+    detail = "; ".join(f.describe() for f in failures)
     if saving:
-        return SaveFailedError(f"{what}: save failed {where}, nothing committed: {detail}")
-    return error_class(first.kind)(f"{what} failed {where}: {detail}")
+        return SaveFailedError(f"{what}: save failed on {len(failures)} of {ranks} ranks, nothing "
+                               f"committed: {detail}")
+    return error_class(first.kind)(f"{what} failed on {len(failures)} of {ranks} ranks: {detail}")
