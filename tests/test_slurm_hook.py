@@ -5,6 +5,7 @@ The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -164,6 +165,38 @@ def nodelist(launch):
     return next(a for a in launch["cmd"] if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
 
 
+@contextlib.contextmanager
+def handlers_restored():
+    """The hook installs USR1/TERM handlers in this process: put pytest's back afterwards."""
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def answer_first_request(run_dir: str, step: int, *, commit: bool, answered: list | None = None) -> None:
+    """The training job's rank 0: sees the request at a boundary, commits (or not), answers."""
+    run = Run.open(run_dir, create=True)
+    for _ in range(500):
+        requests = pending_requests(run)
+        if requests:
+            if commit:
+                commit_checkpoint(run, step)
+            answer_request(run, requests[0], step=step)
+            if answered is not None:
+                answered.append(requests[0])
+            return
+        threading.Event().wait(0.01)
+
+
+def usr1_soon(answer) -> None:
+    """An answering job in a thread, and Slurm's USR1 to this process 50 ms from now."""
+    threading.Thread(target=answer, daemon=True).start()
+    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+
+
 def test_finished_training_exits_0_without_requeue(tmp_path):
     launcher = Launcher([lambda: FakeStep(0)])
     sup, slurm = hook(tmp_path, ["n1", "n2"], launcher)
@@ -226,36 +259,17 @@ def test_failures_with_progress_in_between_are_not_a_crash_loop(tmp_path):
 
 
 def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
-    run_dir = str(tmp_path / "run")
     answered = []
-
-    def training_answers():
-        # The training job's rank 0: sees the request at a boundary, commits, answers.
-        run = Run.open(run_dir, create=True)
-        for _ in range(500):
-            requests = pending_requests(run)
-            if requests:
-                commit_checkpoint(run, 17)
-                answer_request(run, requests[0], step=17)
-                answered.append(requests[0])
-                return
-            threading.Event().wait(0.01)
-
     step = FakeStep(0, run_forever=True)
 
     def start():
-        threading.Thread(target=training_answers, daemon=True).start()
-        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        usr1_soon(lambda: answer_first_request(str(tmp_path / "run"), 17, commit=True, answered=answered))
         return step
 
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
+    with handlers_restored():
         sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=30, step_exit_s=0.05)
         sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
         assert sup.run() == 0
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
     assert answered and answered[0].stop is True
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds[:4] == ["start", "launch", "signal", "saved"]
@@ -266,30 +280,14 @@ def test_usr1_saves_through_the_control_area_then_requeues(tmp_path):
 
 def test_an_answer_naming_an_uncommitted_step_is_not_a_save(tmp_path):
     """A forged answer (or one for a save that never committed) is not taken: no "saved"."""
-    run_dir = str(tmp_path / "run")
-
-    def forger():
-        run = Run.open(run_dir, create=True)
-        for _ in range(500):
-            requests = pending_requests(run)
-            if requests:
-                answer_request(run, requests[0], step=17)  # nothing was committed
-                return
-            threading.Event().wait(0.01)
-
     def start():
-        threading.Thread(target=forger, daemon=True).start()
-        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        usr1_soon(lambda: answer_first_request(str(tmp_path / "run"), 17, commit=False))
         return FakeStep(0, run_forever=True)
 
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
+    with handlers_restored():
         sup, _ = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=1, step_exit_s=0.05)
         sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
         assert sup.run() == 0
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
     kinds = [e["event"] for e in events(tmp_path)]
     assert "saved" not in kinds and "save_failed" in kinds
     failed = next(e for e in events(tmp_path) if e["event"] == "save_failed")
@@ -536,15 +534,11 @@ def test_exit_signal_mode_signals_the_step_and_waits_for_the_committed_manifest(
         threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
         return step
 
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
+    with handlers_restored():
         sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([start]), grace_s=30, step_exit_s=0.05,
                           exit_signal="SIGTERM")
         sup.sleep = lambda s: threading.Event().wait(min(s, 0.01))
         assert sup.run() == 0
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
     saved = next(e for e in events(tmp_path) if e["event"] == "saved")
     assert saved["step"] == 12 and "SIGTERM" in saved["reason"]
     assert (save_dir / "iter_0000012" / "resume-manifest.json").is_file()  # Megatron's layout
@@ -801,13 +795,9 @@ def test_a_time_limit_signal_as_a_complete_run_ends_finishes_the_job_without_req
         os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's time-limit warning, as the step exits 0
         return FakeStep(0)
 
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
+    with handlers_restored():
         sup, slurm = hook(tmp_path, ["n1", "n2"], Launcher([ends_as_the_signal_comes]), grace_s=30)
         assert sup.run() == 0
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
     last = events(tmp_path)[-1]
     if complete:
         assert last["event"] == "finished" and last["committed_step"] == 12
