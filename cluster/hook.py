@@ -56,10 +56,11 @@ STATE = "cluster/hook.json"
 TASK = (sys.executable, "-m", "resume.cluster.task", "--")
 """Every task of the step starts through this: torchrun's variables from srun's (cluster/task.py)."""
 EVENTS_CAP = 64 << 20
+"""Bytes: a longer event log is moved aside and a new one begun."""
 STEP_REFUSED = b"Unable to create step"
 """What srun says when Slurm will not start the step on the nodes asked (one left the job)."""
 MAX_REFUSALS = 3
-"""Refused launches in a row that end this allocation (the job is requeued elsewhere)."""  # bytes; a longer event log is moved aside and a new one begun
+"""Refused launches in a row that end this allocation (the job is requeued elsewhere)."""
 
 
 @dataclass(frozen=True, kw_only=True)
