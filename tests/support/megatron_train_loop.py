@@ -1,0 +1,297 @@
+"""Megatron's own training loop on CPU with resume installed: ``megatron.training.training.train()``.
+
+One run is one process (``python -m support.megatron_train_loop CONFIG.json``), so a
+test can SIGKILL it and resume in a fresh one. The process does what ``pretrain()``
+does around ``train()`` (arguments parsed by Megatron, model, optimizer and scheduler
+built by Megatron-Core, then ``training.load_checkpoint`` as
+``setup_model_and_optimizer`` calls it) and then runs Megatron's ``train()``
+unchanged: its ``train_step`` (forward/backward through
+``forward_backward_no_pipelining``, ``optimizer.step()``, the scheduler step),
+``training_log``, ``checkpoint_and_decide_exit`` with ``--save-interval`` and
+``--exit-signal-handler``, and ``save_checkpoint_and_time``. ``install()`` runs before
+Megatron parses its arguments, as in a launch script, so every one of these goes
+through the installed wrappers. The data comes through Megatron's
+``build_pretraining_data_loader`` (``MegatronPretrainingSampler``), started at
+``args.consumed_train_samples`` and wrapped in ``RerunDataIterator`` as ``pretrain()``
+starts it.
+
+What the test supplies, as a user's ``pretrain_gpt.py`` does: the dataset (tokens
+that depend only on the sample index), ``forward_step`` and its loss function.
+
+Test-only stand-ins, only when CUDA is absent (beyond ``support.megatron.cpu_patches``
+and those of ``support.megatron_training_run``):
+- ``train()`` runs inside ``cuda_factories_on_cpu()``: ``torch.tensor``/``torch.zeros``
+  with ``device='cuda'`` build on CPU. Megatron makes them in
+  core/pipeline_parallel/schedules.py (``forward_backward_no_pipelining``:
+  ``total_num_tokens``), training/training.py (``training_log``: ``total_loss_dict``)
+  and core/optimizer/clip_grads.py (the grad-norm tensors of ``optimizer.step()``).
+- ``torch.cuda.current_stream()`` returns a stream whose ``wait_event``/``wait_stream``
+  do nothing: DDP's gradient sync asks for it before reducing, to wait for CUDA-graph
+  events no parameter has here (core/distributed/param_and_grad_buffer.py,
+  ``_ParamAndGradBucketGroup.start_grad_sync``).
+- ``optimizer.step`` is wrapped on the instance: at the iterations listed in
+  ``overflow_at`` it returns ``(False, None, None)`` without touching the parameters,
+  which is what Megatron's mixed-precision optimizer returns when the loss scaler
+  finds an inf/NaN gradient (core/optimizer/optimizer.py, ``MixedPrecisionOptimizer.step``);
+  fp16 with a dynamic loss scaler does not build on CPU. Megatron's ``train_step``
+  then reports the iteration as skipped and does not step the scheduler.
+
+What the test observes: the loss of every iteration (from the loss function, per
+``args.curr_iteration``), the final parameters' digest, the iteration ``train()``
+returned or the code it exited with, and what the recorder loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from support.megatron_training_run import GBS, SEQ, VOCAB, cuda_factories_on_cpu, fresh
+
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Sample ``i`` is the same tokens in every process: a run and its resumed copy read the
+    same stream, and only the sampler position (``consumed_train_samples``) picks where."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(10_007 + int(index))
+        text = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+        return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(SEQ),
+                "position_ids": torch.arange(SEQ)}
+
+
+class Events:
+    """What happens at given iterations (0-based ``args.curr_iteration``, as train() sets it),
+    seen from the first micro-batch's forward step."""
+
+    def __init__(self, config: dict, save_dir: str) -> None:
+        self.config = config
+        self.save_dir = save_dir
+        self.seen: set[int] = set()
+
+    def at(self, iteration: int) -> None:
+        if iteration in self.seen:
+            return
+        self.seen.add(iteration)
+        if iteration == self.config.get("request_at"):
+            from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+
+            from resume.control import post_save_request
+            from resume.run import Run
+
+            run = Run.open(self.save_dir, create=True, layout=MEGATRON_LAYOUT)
+            request = post_save_request(run, stop=False, reason="test: resume save")
+            _write_json(self.config["out"] + ".request", {"request_id": request.request_id})
+        if iteration == self.config.get("sigterm_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # Megatron's handler only sets a flag
+        if iteration == self.config.get("hold_at"):
+            # The parent SIGKILLs this process now: mid-iteration, after the last save.
+            _write_json(self.config["out"] + ".holding", {"iteration": iteration})
+            while True:
+                time.sleep(0.05)
+
+
+class _NoStream:
+    """What start_grad_sync needs of the current CUDA stream when there is none (docstring)."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_stream_patch() -> None:
+    """``torch.cuda.current_stream`` as a stream that waits for nothing, only without CUDA."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_stream = lambda *a, **k: _NoStream()
+
+
+def make_forward_step(args: Any, losses: dict, events: Events):
+    """pretrain_gpt.py's forward_step in miniature: a batch, the model, a masked LM loss."""
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)  # the default one is on CUDA
+
+    def loss_func(loss_mask, output_tensor):
+        per_token = output_tensor.float().view(-1)
+        loss_mask = loss_mask.view(-1).float()
+        loss = torch.sum(per_token * loss_mask)
+        num_tokens = loss_mask.sum().to(torch.int)
+        losses.setdefault(args.curr_iteration, []).append(float(loss.detach() / num_tokens))
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+    def forward_step(data_iterator, model):
+        events.at(args.curr_iteration)
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+        return output, functools.partial(loss_func, batch["loss_mask"])
+
+    return forward_step
+
+
+def skip_updates_at(args: Any, optimizer: Any, iterations: frozenset[int]) -> None:
+    """The optimizer reports an overflow (update_successful False, nothing applied) at these
+    1-based iterations (module docstring)."""
+    step = optimizer.step
+
+    def overflowing_step():
+        if args.curr_iteration + 1 in iterations:
+            return False, None, None
+        return step()
+
+    optimizer.step = overflowing_step
+
+
+def params_digest(model: list) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model[0].module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(config: dict) -> dict:
+    """One process's run: install(), Megatron's setup, load, train(); what happened."""
+    from resume.adapters.megatron import install
+
+    from resume.errors import ContinuityError, ResumeError
+
+    save_dir = config["save_dir"]
+    cpu_stream_patch()
+    recorder = install(control_poll_s=0.0)  # as a launch script does, before Megatron parses
+    args, model, optimizer, scheduler = fresh(save_dir, tuple(config.get("extra", ())))
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import get_model_config
+    from megatron.training import training
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+
+    training.update_train_iters(args)
+    # setup_model_and_optimizer's load, through the name training.py calls.
+    args.consumed_train_samples = 0
+    args.skipped_train_samples = 0
+    out: dict = {"losses": {}, "exit_code": None}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            args.iteration, args.num_floating_point_operations_so_far = training.load_checkpoint(
+                model, optimizer, scheduler, checkpointing_context={})
+    except ContinuityError as e:
+        out["error"] = {"type": type(e).__name__, "item": e.item, "expected": e.expected,
+                        "actual": e.actual, "message": str(e)}
+        return out
+    except ResumeError as e:
+        out["error"] = {"type": type(e).__name__, "message": str(e)}
+        return out
+    out["loaded"] = recorder.loaded.manifest.step if recorder.loaded is not None else None
+    out["start_iteration"] = args.iteration
+    out["start_consumed"] = args.consumed_train_samples
+
+    losses: dict = {}
+    events = Events(config, save_dir)
+    skip_updates_at(args, optimizer, frozenset(config.get("overflow_at", ())))
+    loader = build_pretraining_data_loader(TokenDataset(), args.consumed_train_samples)
+    try:
+        with cuda_factories_on_cpu(), contextlib.redirect_stdout(sys.stderr):
+            iteration, _ = training.train(make_forward_step(args, losses, events), model, optimizer, scheduler,
+                                          RerunDataIterator(iter(loader)), None, None, get_model_config(model[0]), {}, None)
+        out["iteration"] = iteration
+    except SystemExit as e:  # --exit-signal-handler: train() saves, then sys.exit()
+        out["exit_code"] = e.code
+        out["iteration"] = None
+    out["losses"] = {str(k): sum(v) / len(v) for k, v in sorted(losses.items())}
+    out["params"] = params_digest(model)
+    out["consumed"] = args.consumed_train_samples
+    out["scheduler_steps"] = scheduler.num_steps
+    out["last_committed"] = recorder.last_committed
+    return out
+
+
+def _write_json(path: str, body: object) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(path + ".tmp", path)
+
+
+# -- the parent's side --------------------------------------------------------------------------
+
+
+def argv_for(save_dir: str, iterations: int, save_interval: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """Flags on top of support.megatron_training_run.argv: the loop's length and saves."""
+    return ["--train-samples", str(iterations * GBS), "--save-interval", str(save_interval),
+            "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", *extra]
+
+
+def start(tmp_dir: str, name: str, **config: Any) -> tuple[subprocess.Popen, str]:
+    """Start a run in a fresh process; (process, path of its result JSON)."""
+    out = os.path.join(tmp_dir, f"{name}.json")
+    config["out"] = out
+    config_path = os.path.join(tmp_dir, f"{name}.config.json")
+    _write_json(config_path, config)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    with open(os.path.join(tmp_dir, f"{name}.log"), "w") as log:  # the child keeps its own copy
+        proc = subprocess.Popen([sys.executable, "-m", "support.megatron_train_loop", config_path],
+                                cwd=TESTS_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def log_tail(tmp_dir: str, name: str, n: int = 40) -> str:
+    with open(os.path.join(tmp_dir, f"{name}.log")) as f:
+        return "".join(f.readlines()[-n:])
+
+
+def run_to_end(tmp_dir: str, name: str, timeout_s: float = 120, **config: Any) -> dict:
+    proc, out = start(tmp_dir, name, **config)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{name}: still running after {timeout_s}s\n{log_tail(tmp_dir, name)}") from None
+    if rc != 0 or not os.path.exists(out):
+        raise AssertionError(f"{name}: exit code {rc}\n{log_tail(tmp_dir, name)}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def kill_when_holding(tmp_dir: str, name: str, timeout_s: float = 120, **config: Any) -> int:
+    """Start a run with ``hold_at``; SIGKILL it once it holds there. The signal's return code."""
+    proc, out = start(tmp_dir, name, **config)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(out + ".holding"):
+        if proc.poll() is not None:
+            raise AssertionError(f"{name}: exited ({proc.returncode}) before holding\n{log_tail(tmp_dir, name)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{name}: did not reach iteration {config['hold_at']}\n{log_tail(tmp_dir, name)}")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=30)
+
+
+def main(config_path: str) -> None:
+    with open(config_path) as f:
+        config = json.load(f)
+    result = run(config)
+    _write_json(config["out"], result)
+    torch.distributed.destroy_process_group()
+    # A normal exit: the recorder's atexit handler releases the save directory's lease.
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
