@@ -137,3 +137,24 @@ def test_resume_save_request_and_exit_signal_are_handled_inside_train(tmp_path):
     assert answer["step"] == 2 and answer["error"] is None
     assert _committed(save_dir) == [2, 3]
     assert _train_state(save_dir, 3)["samples_read"] == 12
+
+
+def test_pretrain_itself_runs_with_resume_installed_and_commits_each_save(reference, tmp_path):
+    """Megatron's pretrain() (initialize, setup_model_and_optimizer with its load, the data
+    iterators, train()) with the stand-ins named in support.megatron_train_loop: manifests at
+    4 and 8, and the same losses as the train() run until its overflow at iteration 3 changed
+    the weights (same seed, same data, same model)."""
+    from support.megatron_train_loop import run_to_end
+
+    tmp = str(tmp_path)
+    save_dir = os.path.join(tmp, "save")
+    out = run_to_end(tmp, "pretrain", save_dir=save_dir, entry="pretrain",
+                     extra=_flags(save_dir, "--distributed-backend", "gloo", "--eval-interval", "1000"))
+    assert out["loaded"] is None and out["last_committed"] == 8 and out["consumed"] == 32
+    assert _committed(save_dir) == [4, 8]
+    assert (_train_state(save_dir, 8)["updates_successful"], _train_state(save_dir, 8)["updates_skipped"]) == (8, 0)
+    expected = reference[1]["losses"]
+    # Losses of 0-based iterations 0..2 agree; the skipped update of iteration 3 (1-based)
+    # shows from the next one on.
+    assert [out["losses"][str(i)] for i in range(3)] == [expected[str(i)] for i in range(3)]
+    assert out["losses"]["3"] != expected["3"]

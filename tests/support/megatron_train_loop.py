@@ -36,6 +36,25 @@ and those of ``support.megatron_training_run``):
   fp16 with a dynamic loss scaler does not build on CPU. Megatron's ``train_step``
   then reports the iteration as skipped and does not step the scheduler.
 
+``run_pretrain`` goes one level up: Megatron's ``pretrain()`` itself (initialize_megatron,
+setup_model_and_optimizer with get_model and the load, the data iterators, train()). It
+needs these further test-only stand-ins, only without CUDA:
+- ``initialize_megatron`` called with ``allow_no_cuda=True`` (pretrain() does not pass it;
+  training/initialize.py asserts ``torch.cuda.is_available()`` otherwise);
+- torch.distributed (gloo) and the model-parallel groups set up before pretrain(), with
+  the CUDA RNG tracker seeded: ``_initialize_distributed`` creates the groups and
+  ``_set_random_seed`` seeds the tracker only when ``torch.cuda.device_count() > 0``;
+- ``initialize._compile_dependencies`` a no-op (it builds the C++ dataset index helpers,
+  which need pybind11 and are not used by this dataset);
+- ``training.set_jit_fusion_options`` a no-op (it warms up fused kernels with
+  ``torch.rand(..., device='cuda')``, training/initialize.py ``_warmup_jit_function``);
+- ``torch.nn.Module.cuda`` returns the module (training.py ``get_model``:
+  ``model_module.cuda(torch.cuda.current_device())``), and ``torch.cuda.Stream``/
+  ``torch.cuda.stream`` a stream that waits for nothing and a null context (``get_model``
+  builds DDP on a side stream);
+- ``args.padded_vocab_size`` computed by the model provider's caller, as the tokenizer
+  build (skipped, NullTokenizer) would.
+
 What the test observes: the loss of every iteration (from the loss function, per
 ``args.curr_iteration``), the final parameters' digest, the iteration ``train()``
 returned or the code it exited with, and what the recorder loaded.
@@ -222,6 +241,72 @@ def run(config: dict) -> dict:
     return out
 
 
+def _pretrain_stand_ins() -> None:
+    """The stand-ins pretrain() needs beyond train()'s (module docstring), only without CUDA."""
+    if torch.cuda.is_available():
+        return
+    from megatron.training import initialize, training
+
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    initialize._compile_dependencies = lambda: None
+    training.set_jit_fusion_options = lambda **k: None
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def run_pretrain(config: dict) -> dict:
+    """One process's run through Megatron's pretrain() with resume installed."""
+    from resume.adapters.megatron import install
+
+    from support.megatron import cpu_patches, require_megatron
+    from support.megatron_training_run import argv
+
+    require_megatron()
+    cpu_patches()
+    cpu_stream_patch()
+    save_dir = config["save_dir"]
+    recorder = install(control_poll_s=0.0)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import global_vars, training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    _pretrain_stand_ins()
+    sys.argv = argv(save_dir, tuple(config.get("extra", ())))
+    args = parse_args()
+    validate_args(args, {})
+    global_vars.set_global_variables(args, build_tokenizer=False)
+    args.padded_vocab_size = calculate_padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, 1,
+                                                         logging_enabled=False)
+    store = config["out"] + ".store"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+    def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
+        return GPTModel(config=core_transformer_config_from_args(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+                        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process)
+
+    def datasets(num_samples):
+        return TokenDataset(), None, None
+
+    datasets.is_distributed = True
+    losses: dict = {}
+    forward_step = make_forward_step(args, losses, Events(config, save_dir))
+    with cuda_factories_on_cpu(), contextlib.redirect_stdout(sys.stderr):
+        training.pretrain(pretrain_cfg_container_from_args(args), datasets, ModelType.encoder_or_decoder,
+                          forward_step, model_provider=model_provider)
+    return {"losses": {str(k): sum(v) / len(v) for k, v in sorted(losses.items())},
+            "loaded": recorder.loaded.manifest.step if recorder.loaded is not None else None,
+            "last_committed": recorder.last_committed, "consumed": args.consumed_train_samples}
+
+
 def _write_json(path: str, body: object) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(body, f)
@@ -287,7 +372,7 @@ def kill_when_holding(tmp_dir: str, name: str, timeout_s: float = 120, **config:
 def main(config_path: str) -> None:
     with open(config_path) as f:
         config = json.load(f)
-    result = run(config)
+    result = run_pretrain(config) if config.get("entry") == "pretrain" else run(config)
     _write_json(config["out"], result)
     torch.distributed.destroy_process_group()
     # A normal exit: the recorder's atexit handler releases the save directory's lease.
