@@ -26,6 +26,7 @@ import pickle
 import re
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from resume.errors import (
     UnsafeCheckpointError,
     UnsafePathError,
 )
-from resume.run import RESUME_LAYOUT, CheckResult, Run, RunLayout, register_layout
+from resume.run import RESUME_LAYOUT, CheckResult, FrameworkSave, Run, RunLayout, register_layout
 from resume.state import TrainState
 from resume.storage import SMALL_FILE_CAP, Storage, join
 from resume.text import parse_json, short
@@ -95,13 +96,48 @@ class MegatronLayout(RunLayout):
         return cross_check(run.storage, result.step, result.manifest.train_state, result.manifest.expectation)
 
     def pointer_problems(self, run: Run, results: list[CheckResult], *, whole_run: bool) -> list[str]:
-        """The tracker must name an iteration that exists; an iteration saved without our
-        manifest must at least be in the format we read (torch_dist)."""
-        problems = tracker_problems(run.storage) if whole_run else []
-        return problems + [p for r in results if not r.has_manifest for p in format_problems(run.storage, r.step)]
+        """The tracker must name an iteration that exists (an iteration's own problems are
+        that iteration's, ``framework_save``)."""
+        return tracker_problems(run.storage) if whole_run else []
 
-    def unrecorded_counters(self, run: Run, step: int) -> TrainState | None:
-        return unrecorded_counters(run.storage, step)
+    def framework_save(self, run: Run, step: int, *, deep: bool = False,
+                       progress: Callable[[int], None] | None = None) -> FrameworkSave | None:
+        """An iteration without our manifest. Megatron's tracker is its commit: an iteration
+        newer than the tracker (or with no tracker at all) is a save Megatron did not finish,
+        uncommitted and ignored, as Megatron ignores it. Up to the tracker it is Megatron's
+        own save: checked from its ``.metadata`` (``megatron_check``), unrecorded when sound,
+        broken otherwise."""
+        from .megatron_check import UNCAUGHT, check_save
+
+        try:
+            tracker = read_tracker(run.storage)
+        except (OSError, ValueError, RuntimeError):
+            tracker = None  # its own problem is the pointer's (tracker_problems)
+        if tracker is None or step > tracker:
+            named = "no iteration" if tracker is None else self.dirname(tracker)
+            return FrameworkSave("uncommitted", reason=(
+                f"{run.storage.url(self.dirname(step))}: no resume manifest, and Megatron's tracker names "
+                f"{named}: a save Megatron did not finish (ignored, as Megatron ignores it)"))
+        check = check_save(run.storage, step, deep=deep, progress=progress)
+        counters = check.counters
+        return FrameworkSave("broken" if check.problems else "unrecorded", list(check.problems),
+                             counters.to_dict() if counters else None,
+                             dict(counters.megatron) if counters else {},
+                             checked=f"{check.summary()}; {UNCAUGHT}")
+
+    def framework_counters(self, run: Run, result: CheckResult) -> dict | None:
+        """Megatron's own sample counters of a committed iteration: as recorded at the save,
+        else read from its common state."""
+        if result.manifest is None:
+            return None
+        recorded = (result.manifest.expectation.get("megatron") or {}).get("samples")
+        if isinstance(recorded, dict):
+            return recorded
+        try:
+            args = read_common_state(run.storage, result.step).args
+        except (OSError, ValueError, RuntimeError):
+            return None
+        return {k: args.get(k) for k in ("consumed_train_samples", "skipped_train_samples")}
 
 
 MEGATRON_LAYOUT = register_layout(MegatronLayout(
@@ -159,14 +195,17 @@ def require_torch_dist(storage: Storage, iteration: int) -> None:
     try:
         meta = parse_json(storage.read_bytes(join(d, "metadata.json"), limit=SMALL_FILE_CAP))
     except FileNotFoundError:
-        meta = {}
+        raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: expected Megatron's metadata.json "
+                            "({\"sharded_backend\": \"torch_dist\"}), actual missing") from None
     except ValueError as e:
         raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: {e}") from e
     backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
-    if backend != "torch_dist" or ".metadata" not in names:
+    if backend != "torch_dist":
         raise ManifestError(f"{storage.url(join(d, 'metadata.json'))}: sharded_backend: expected "
-                            f"'torch_dist' with a .metadata file, actual {short(backend)}"
-                            f"{'' if '.metadata' in names else ', no .metadata'}")
+                            f"'torch_dist', actual {short(backend)}")
+    if ".metadata" not in names:
+        raise ManifestError(f"{storage.url(join(d, '.metadata'))}: expected DCP's .metadata (written last; "
+                            "it lists every record's file, offset and length), actual missing")
 
 
 # -- the common state ---------------------------------------------------------------------------
@@ -378,24 +417,6 @@ def tracker_problems(storage: Storage) -> list[str]:
     return []
 
 
-def format_problems(storage: Storage, iteration: int) -> list[str]:
-    """An iteration directory Megatron could load but resume cannot read (legacy format)."""
-    try:
-        require_torch_dist(storage, iteration)
-    except (OSError, ValueError) as e:
-        return [str(e)]
-    return []
-
-
-def unrecorded_counters(storage: Storage, iteration: int) -> TrainState | None:
-    """Counters derived from Megatron's own state, for an iteration without our manifest."""
-    try:
-        require_torch_dist(storage, iteration)
-        return read_common_state(storage, iteration).counters()
-    except (OSError, ValueError, RuntimeError):
-        return None
-
-
 def cross_check(storage: Storage, iteration: int, recorded: TrainState, expectation: dict) -> list[str]:
     """Megatron's own state must agree with our manifest: format, counters, scheduler position."""
     try:
@@ -407,6 +428,14 @@ def cross_check(storage: Storage, iteration: int, recorded: TrainState, expectat
     if common.iteration != iteration:
         problems.append(f"{common.source}: common_state.iteration: expected {iteration} (the directory's), "
                         f"actual {common.iteration}")
+    if common.scheduler is None:
+        # Saved without the optimizer (Megatron saves the scheduler only with it): the updates
+        # and the schedule cannot be derived; iteration and samples still can.
+        consumed = common.args.get("consumed_train_samples")
+        if consumed != recorded.samples_read:
+            problems.append(f"{common.source}: samples_read: expected {recorded.samples_read} (manifest), "
+                            f"actual {consumed} (Megatron's consumed_train_samples)")
+        return problems
     try:
         derived = common.counters()
     except (ManifestError, InvariantError) as e:

@@ -38,7 +38,6 @@ from .errors import (
 from .lease import Holder, read_holder
 from .manifest import Manifest
 from .run import CheckResult, Run
-from .state import TrainState
 from .storage import SMALL_FILE_CAP
 from .text import short
 
@@ -208,7 +207,9 @@ class _Verdict:
 
     @property
     def ok(self) -> bool:
-        return not self.problems and any(r.committed for r in self.results)
+        """No problem, and something a restart loads: a committed checkpoint, or a framework's
+        own save that is sound (``unrecorded``; loaded without the continuity check)."""
+        return not self.problems and any(r.status in ("committed", "unrecorded") for r in self.results)
 
     @property
     def exit_code(self) -> int:
@@ -227,22 +228,28 @@ class _Verdict:
 def _verify_run(run: Run, step: int | None, *, deep: bool, show: bool = False) -> _Verdict:
     """The commit check on every step directory (or on ``step``), verify's own checks on each
     committed one, then the layout's pointer and, for the whole run, our LATEST."""
-    results, restorable = [], None
+    results, restorable, unrecorded = [], None, None
     for s in _steps_to_check(run, step):
         result = _check_with_progress(run, s, deep=deep, show=show)
         if result.committed:
             restorable = s
             result.problems.extend(_checkpoint_problems(run, result, deep=deep))
+        else:
+            result.examine_framework(run, deep=deep)
+            unrecorded = s if result.status == "unrecorded" else unrecorded
         results.append(result)
+    if restorable is None:
+        restorable = unrecorded  # nothing of ours: the framework loads its own save
     whole_run = step is None
     pointer = run.layout.pointer_problems(run, results, whole_run=whole_run)
     notes: list[str] = []
     if whole_run and run.layout.latest:
         latest, notes = _latest_problems(run, results)
         pointer += latest
-    # A step directory without any manifest is a save that never finished:
-    # listed, not a problem, unless it was asked for by --step.
-    problems = [p for r in results if r.has_manifest or not whole_run for p in r.problems]
+    # A step directory without any manifest is a save that never finished (uncommitted):
+    # listed, not a problem, unless it was asked for by --step. A framework's own save
+    # with problems is broken, as a checkpoint of ours with problems is.
+    problems = [p for r in results if r.status == "broken" or not whole_run for p in r.problems]
     return _Verdict(results, restorable, pointer, notes, problems + pointer)
 
 
@@ -302,7 +309,9 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
         _emit_json({"ok": verdict.ok, "deep": deep, "layout": run.layout.name,
                     "pointer_problems": verdict.pointer, "pointer_notes": verdict.notes,
                     "steps": [{"step": r.step, "status": r.status, "committed": r.committed,
-                               "problems": r.problems} for r in verdict.results]})
+                               "problems": r.problems,
+                               "framework": dataclasses.asdict(r.framework) if r.framework else None}
+                              for r in verdict.results]})
     else:
         _print_verdict(run, verdict, deep=deep, whole_run=step is None)
     return _report(run, verdict)
@@ -318,7 +327,9 @@ def _print_verdict(run: Run, verdict: _Verdict, *, deep: bool, whole_run: bool) 
             state = r.manifest.train_state  # type: ignore[union-attr]
             click.echo(f"{run.dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
                        f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
-        elif not r.has_manifest and whole_run:
+        elif r.status == "unrecorded":
+            click.echo(f"{run.dirname(r.step)}  unrecorded (no resume manifest): {r.framework.checked}")  # type: ignore[union-attr]
+        elif r.status == "uncommitted" and whole_run:
             click.echo(f"{run.dirname(r.step)}  uncommitted (ignored): {r.reason}")
         else:
             for p in r.problems:
@@ -396,24 +407,23 @@ def _human_bytes(n: int) -> str:
 @json_option
 @command
 def ls_command(run_url: str, as_json: bool) -> int:
-    """List checkpoints with their counters; uncommitted step directories say why."""
+    """List checkpoints with their counters; uncommitted step directories say why.
+
+    A framework's own save without our manifest (a Megatron save made before ``resume`` was
+    installed) is ``unrecorded`` with the counters its own state gives (unknown ones shown as
+    ``?``, with the reason) or ``broken``, naming the file.
+    """
     run = Run.open(run_url)
     results = [run.check(s) for s in run.step_dirs()]
-    derived = _derived_counters(run, results)
+    for r in results:
+        r.examine_framework(run)
     holder = read_holder(run.storage)
     if as_json:
         _emit_json({"run": run.url, "layout": run.layout.name, "latest_hint": run.latest_hint(),
                     "lease": None if holder is None else {**dataclasses.asdict(holder), "age_s": round(
                         time.time() - holder.heartbeat_at, 1), "stale_because": holder.stale_because(
                             time.time(), host=socket.gethostname())},
-                    "checkpoints": [
-            {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
-             "train_state": (r.manifest.train_state.to_dict() if r.manifest else
-                             derived[r.step].to_dict() if r.step in derived else None),
-             "counters_derived": r.manifest is None and r.step in derived,
-             "complete": bool(r.manifest and r.manifest.complete),
-             "bytes": r.manifest.total_bytes if r.manifest else None,
-             "created_at": r.manifest.created_at if r.manifest else None} for r in results]})
+                    "checkpoints": [_listed(run, r) for r in results]})
         return EXIT_OK if results else EXIT_NOTHING
     if not results:
         click.echo(f"resume: error: {run.url}: expected checkpoints, actual none", err=True)
@@ -421,27 +431,46 @@ def ls_command(run_url: str, as_json: bool) -> int:
     click.echo(f"{'step':>10}  {'status':<11}  {'iteration':>9}  {'samples':>10}  {'ok':>8}  "
                f"{'skipped':>7}  {'size':>10}  created")
     for r in results:
-        if r.manifest is not None:
-            s = r.manifest.train_state
-            status = r.status
-            click.echo(f"{r.step:>10}  {status:<11}  {s.iteration:>9}  {s.samples_read:>10}  "
-                       f"{s.updates_successful:>8}  {s.updates_skipped:>7}  "
-                       f"{_human_bytes(r.manifest.total_bytes):>10}  {r.manifest.created_at}")
-            if not r.committed:
-                click.echo(f"{'':>10}  {r.reason}")
-        elif r.step in derived:
-            s = derived[r.step]
-            click.echo(f"{r.step:>10}  {'unrecorded':<11}  {s.iteration:>9}  {s.samples_read:>10}  "
-                       f"{s.updates_successful:>8}  {s.updates_skipped:>7}  {'':>10}  "
-                       "(no resume manifest; counters derived from Megatron's state, not verified)")
-        else:
+        entry = _listed(run, r)
+        s = entry["train_state"]
+        if s is None:
             click.echo(f"{r.step:>10}  {r.status:<11}  {r.reason}")
+            continue
+        shown = {k: "?" if s.get(k) is None else str(s[k])
+                 for k in ("iteration", "samples_read", "updates_successful", "updates_skipped")}
+        size = _human_bytes(r.manifest.total_bytes) if r.manifest else ""
+        created = r.manifest.created_at if r.manifest else "(no resume manifest; counters from the framework's state)"
+        click.echo(f"{r.step:>10}  {r.status:<11}  {shown['iteration']:>9}  {shown['samples_read']:>10}  "
+                   f"{shown['updates_successful']:>8}  {shown['updates_skipped']:>7}  {size:>10}  {created}")
+        if s.get("unknown"):
+            click.echo(f"{'':>10}  updates unknown: {s['unknown']}")
+        if entry["framework_counters"]:
+            counters = ", ".join(f"{k} {v}" for k, v in entry["framework_counters"].items())
+            click.echo(f"{'':>10}  {run.layout.name}: {counters}")
+        if r.status in ("broken", "uncommitted"):
+            click.echo(f"{'':>10}  {r.reason}")
     complete = [r.step for r in results if r.committed and r.manifest is not None and r.manifest.complete]
     if complete:
         click.echo(f"run complete at step {complete[-1]} (total_iterations reached: a restart trains no further)")
     # The writer (runbooks/two-jobs.md): the job holding the run's lease, if any.
     click.echo(f"lease: {_describe_lease(holder)}")
     return EXIT_OK
+
+
+def _listed(run: Run, r: CheckResult) -> dict[str, Any]:
+    """One checkpoint as ``ls`` shows it: its counters from our manifest, else from the
+    framework's own state (``counters_derived``: not verified; None for a counter it cannot give)."""
+    framework = r.framework
+    derived = r.manifest is None and framework is not None and framework.counters is not None
+    return {"step": r.step, "status": r.status, "committed": r.committed, "reason": r.reason or None,
+            "train_state": (r.manifest.train_state.to_dict() if r.manifest else
+                            framework.counters if derived else None),  # type: ignore[union-attr]
+            "counters_derived": derived,
+            "framework_counters": (run.layout.framework_counters(run, r) if r.committed else
+                                   framework.framework_counters if framework is not None else None) or None,
+            "complete": bool(r.manifest and r.manifest.complete),
+            "bytes": r.manifest.total_bytes if r.manifest else None,
+            "created_at": r.manifest.created_at if r.manifest else None}
 
 
 def _describe_lease(holder: Holder | None) -> str:
@@ -452,17 +481,6 @@ def _describe_lease(holder: Holder | None) -> str:
     now = time.time()
     gone = holder.stale_because(now, host=socket.gethostname())
     return holder.describe(now) + (f"; holder gone: {gone} (the next job takes the lease over)" if gone else "")
-
-
-def _derived_counters(run: Run, results: list[CheckResult]) -> dict[int, TrainState]:
-    """Step directories without our manifest: the counters the layout's framework kept, if any."""
-    out = {}
-    for r in results:
-        if r.manifest is None and not r.has_manifest:
-            state = run.layout.unrecorded_counters(run, r.step)
-            if state is not None:
-                out[r.step] = state
-    return out
 
 
 @cli.command()
@@ -485,6 +503,10 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
     verdict = _verify_run(run, step, deep=False)
     shown = step if step is not None else verdict.restorable
     manifest = next((r.manifest for r in verdict.results if r.step == shown), None)
+    framework = next((r for r in verdict.results if r.step == shown and r.framework is not None), None)
+    if manifest is None and framework is not None and framework.status != "uncommitted":
+        _print_framework_save(run, framework, as_json)
+        return _report(run, verdict)
     if manifest is None:
         if as_json:
             _emit_json({"ok": False, "error": "; ".join(verdict.errors(run)), "exit_code": verdict.exit_code})
@@ -501,7 +523,12 @@ def inspect(run_url: str, step: int | None, as_json: bool) -> int:
 def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
     s = manifest.train_state
     click.echo(f"{run.dirname(manifest.step)}  ({run.storage.url(run.dirname(manifest.step))})")
-    click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
+    adopted = (manifest.expectation.get("megatron") or {}).get("adopted")
+    if isinstance(adopted, dict):  # a framework's own save recorded afterwards (resume megatron adopt)
+        click.echo(f"  written by    {manifest.adapter}, adopted at {_shown(adopted.get('at'))} by "
+                   f"{_shown(adopted.get('by'))} (not recorded: {_shown(adopted.get('not_recorded'))})")
+    else:
+        click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
     click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
                f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
     click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
@@ -525,6 +552,30 @@ def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
     click.echo(f"  files         {len(manifest.files)}, {_human_bytes(manifest.total_bytes)}")
     for rel, entry in sorted(manifest.files.items()):
         click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")
+
+
+def _print_framework_save(run: Run, r: CheckResult, as_json: bool) -> None:
+    """``inspect`` of a framework's own save without our manifest: what its files give."""
+    f = r.framework
+    assert f is not None
+    if as_json:
+        _emit_json({"step": r.step, "status": r.status, "train_state": f.counters,
+                    "framework_counters": f.framework_counters, "checked": f.checked, "problems": r.problems})
+        return
+    click.echo(f"{run.dirname(r.step)}  ({run.storage.url(run.dirname(r.step))})")
+    click.echo(f"  status        {r.status}: no resume manifest (saved by {run.layout.name} alone); the next "
+               "restart loads it without the continuity check")
+    c = f.counters or {}
+    if c:
+        updates = (f"updates {c['updates_successful']} successful / {c['updates_skipped']} skipped"
+                   if c.get("unknown") is None else f"updates unknown ({c['unknown']})")
+        click.echo(f"  counters      iteration {c.get('iteration')}, samples read {c.get('samples_read')}, {updates}")
+    else:
+        click.echo("  counters      unknown (the framework's state cannot be read)")
+    if f.framework_counters:
+        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {v}" for k, v in f.framework_counters.items()))
+    if f.checked:
+        click.echo(f"  checked       {f.checked}")
 
 
 def _shown(value: Any, limit: int = 100) -> str:
@@ -903,6 +954,37 @@ def megatron_args(save_dir: str | None, world_size: int | None, tp: int | None, 
         click.echo(f"# checked with Megatron's parser and validate_args: data-parallel size "
                    f"{checked['data_parallel_size']}, {checked['num_micro_batches_per_rank']} "
                    "micro-batches per rank", err=True)
+    return EXIT_OK
+
+
+@megatron.command(name="adopt")
+@click.argument("save_dir", metavar="SAVE_DIR")
+@click.option("--iteration", type=click.IntRange(min=0), default=None,
+              help="The save to adopt (default: the newest up to Megatron's tracker that passes).")
+@click.option("--lr-lookahead", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Updates whose LR the manifest records.")
+@json_option
+@command
+def megatron_adopt(save_dir: str, iteration: int | None, lr_lookahead: int, as_json: bool) -> int:
+    """Record a Megatron save that resume never recorded: after the deep check (every record
+    read, CRC-32s compared), write its manifest (checksums taken now, the counters and the
+    expectation from Megatron's own state), marked adopted. From the next restart with
+    resume installed on, the continuity check covers the run.
+
+    Exits 0 adopted (or already recorded), 1 refused (the reason names the file), 2 usage,
+    3 nothing there.
+    """
+    from .adapters.megatron_adopt import adopt, describe
+
+    result = adopt(save_dir, iteration=iteration, lr_lookahead=lr_lookahead)
+    if as_json:
+        _emit_json({"ok": True, "iteration": result.iteration, "already": result.already,
+                    "passed_over": [{"iteration": s, "why": w} for s, w in result.passed_over],
+                    "manifest": json.loads(result.manifest.to_json()) if result.manifest else None})
+        return EXIT_OK
+    for step, why in result.passed_over:
+        click.echo(f"{step:>10}  passed over: {why}")
+    click.echo(describe(result, save_dir))
     return EXIT_OK
 
 

@@ -44,11 +44,10 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import KeepPolicy
-from .state import TrainState
 from .storage import MANIFEST_CAP, SMALL_FILE_CAP, Storage, is_damage, join, open_storage
 from .text import parse_json, short
 
-__all__ = ["RESUME_LAYOUT", "CheckResult", "KeepPolicy", "Run", "RunLayout", "detect_layout",
+__all__ = ["RESUME_LAYOUT", "CheckResult", "FrameworkSave", "KeepPolicy", "Run", "RunLayout", "detect_layout",
            "parse_step_dirname", "register_layout", "step_dirname"]
 
 log = logging.getLogger("resume")
@@ -108,9 +107,15 @@ class RunLayout:
         asked for) and step directories the framework wrote in a form we cannot read."""
         return []
 
-    def unrecorded_counters(self, run: Run, step: int) -> TrainState | None:
-        """The counters of a step directory without our manifest, from the framework's own
-        state (not verified); None when it has none."""
+    def framework_save(self, run: Run, step: int, *, deep: bool = False,
+                       progress: Callable[[int], None] | None = None) -> FrameworkSave | None:
+        """A step directory without our manifest, as the framework's own files describe it
+        (``ls``, ``verify``, ``inspect``); None where the framework keeps no state of its own."""
+        return None
+
+    def framework_counters(self, run: Run, result: CheckResult) -> dict | None:
+        """The framework's own counters of a committed checkpoint (e.g. Megatron's sample
+        counters), for ``ls`` and ``inspect``; None where it keeps none."""
         return None
 
 
@@ -161,6 +166,25 @@ def utc_now(timespec: str = "seconds") -> str:
 
 
 @dataclass
+class FrameworkSave:
+    """A step directory without our manifest that the layout's framework wrote (a Megatron save
+    made before ``resume`` was installed), as the framework's own files describe it."""
+
+    status: str
+    """'unrecorded' (sound as far as the framework's files tell), 'broken' (problems, each naming
+    its file) or 'uncommitted' (the framework itself never finished it)."""
+    problems: list[str] = field(default_factory=list)
+    counters: dict | None = None
+    """iteration, samples_read, updates_successful, updates_skipped (None: unknown) and
+    ``unknown``, why; None when the framework's state could not be read."""
+    framework_counters: dict = field(default_factory=dict)
+    checked: str = ""
+    """What was checked, and what such a check cannot catch."""
+    reason: str = ""
+    """Why it is uncommitted."""
+
+
+@dataclass
 class CheckResult:
     """The outcome of the commit check for one step directory."""
 
@@ -186,12 +210,30 @@ class CheckResult:
     def reason(self) -> str:
         return "; ".join(self.problems)
 
+    framework: FrameworkSave | None = None
+    """For a step directory without our manifest: what the layout's framework says of it
+    (set by the CLI through ``RunLayout.framework_save``; discovery never reads it)."""
+
     @property
     def status(self) -> str:
-        """'committed', 'uncommitted' (no manifest) or 'broken'."""
+        """'committed'; 'broken' (a manifest that fails, or a framework's save with problems);
+        'unrecorded' (the framework's own save, sound, no manifest of ours); 'uncommitted'."""
         if self.committed:
             return "committed"
-        return "broken" if self.has_manifest else "uncommitted"
+        if self.has_manifest:
+            return "broken"
+        return self.framework.status if self.framework is not None else "uncommitted"
+
+    def examine_framework(self, run: Run, *, deep: bool = False,
+                          progress: Callable[[int], None] | None = None) -> None:
+        """For a step directory without any manifest: ask the layout's framework about it; its
+        problems (or why it is uncommitted) become this result's."""
+        if self.has_manifest or self.unreadable:
+            return
+        self.framework = run.layout.framework_save(run, self.step, deep=deep, progress=progress)
+        if self.framework is not None:
+            self.problems = list(self.framework.problems) or (
+                [self.framework.reason] if self.framework.status == "uncommitted" else [])
 
 
 class Run:

@@ -265,15 +265,17 @@ def _empty(run: str) -> None:
     os.makedirs(run)
 
 
-def _megatron_save_without_manifests(run: str) -> None:
-    """A Megatron-LM save directory (tracker, one torch_dist iteration) that resume never recorded."""
+def _megatron_save_without_manifests(run: str, *, tracker: bool = True) -> None:
+    """A Megatron-LM save directory (tracker, one torch_dist iteration whose .metadata does not
+    read) that resume never recorded; without the tracker, a save Megatron did not finish."""
     _empty(run)
     os.makedirs(os.path.join(run, "iter_0000004"))
     for rel, text in (("latest_checkpointed_iteration.txt", "4"), ("iter_0000004/.metadata", "m"),
                       ("iter_0000004/__0_0.distcp", "d"),
                       ("iter_0000004/metadata.json", '{"sharded_backend": "torch_dist"}')):
-        with open(os.path.join(run, rel), "w") as f:
-            f.write(text)
+        if tracker or rel != "latest_checkpointed_iteration.txt":
+            with open(os.path.join(run, rel), "w") as f:
+                f.write(text)
 
 
 EXIT_CODE_STATES = {
@@ -287,7 +289,8 @@ EXIT_CODE_STATES = {
     "newest_schedule_short": (_one_lr_ahead, (), 1),
     "latest_names_a_missing_step": (lambda run: _write_latest(run, 99), (), 1),
     "empty_run": (_empty, (), 3),
-    "megatron_save_without_manifests": (_megatron_save_without_manifests, (), 3),
+    "megatron_save_unreadable_without_manifest": (_megatron_save_without_manifests, (), 1),
+    "megatron_save_unfinished": (lambda run: _megatron_save_without_manifests(run, tracker=False), (), 3),
     "step_missing": (lambda run: None, ("--step", "7"), 3),
     "step_sound_newer_broken": (_grow(40), ("--step", "30"), 0),
     "step_broken": (_grow(30), ("--step", "30"), 1),

@@ -33,8 +33,14 @@ def test_ls_reports_the_three_counters_of_each_megatron_checkpoint(save):
                             c["train_state"]["updates_successful"], c["train_state"]["updates_skipped"])
                 for c in body["checkpoints"]}
     assert counters == {4: ("committed", 4, 16, 3, 1), 6: ("committed", 6, 24, 4, 2)}
+    # Megatron's own sample counters beside ours (one --iterations-to-skip iteration by 6).
+    assert {c["step"]: c["framework_counters"] for c in body["checkpoints"]} == {
+        4: {"consumed_train_samples": 16, "skipped_train_samples": 0},
+        6: {"consumed_train_samples": 24, "skipped_train_samples": 4}}
     text = resume("ls", save).stdout
-    assert "committed" in text and text.count("\n") == 4  # header, two checkpoints, the lease line
+    # header, two checkpoints each with Megatron's counters, the lease line
+    assert "committed" in text and text.count("\n") == 6, text
+    assert "megatron: consumed_train_samples 24, skipped_train_samples 4" in text
     assert text.splitlines()[-1].startswith("lease: ")
 
 
@@ -138,9 +144,8 @@ def test_settings_resume_cannot_record_are_refused_up_front():
 
     from resume.errors import UsageError
 
-    check_supported(argparse.Namespace(async_save=False, rampup_batch_size=None))
-    for name, value, flag in (("async_save", True, "--async-save"),
-                              ("rampup_batch_size", [16, 16, 1000], "--rampup-batch-size"),
+    check_supported(argparse.Namespace(async_save=True, rampup_batch_size=None))  # committed at finalize
+    for name, value, flag in (("rampup_batch_size", [16, 16, 1000], "--rampup-batch-size"),
                               ("save_retain_interval", 1000, "--save-retain-interval")):
         with pytest.raises(UsageError, match=flag):
             check_supported(argparse.Namespace(**{name: value}))
