@@ -125,6 +125,17 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def megatron_lr_numbering(iteration: int, k: int) -> str:
+    """Where Megatron's own log shows an LR of ``lr_ahead[+k]`` recorded at ``iteration``.
+
+    Megatron logs, at iteration N, the LR after that iteration's update: the one the next
+    update uses. ``lr_ahead[+0]`` is the LR in force when the checkpoint was saved, which
+    Megatron logged at the saved iteration; ``lr_ahead[+k]`` is the one after k more successful
+    updates, logged at iteration ``iteration + k`` when none of them is skipped."""
+    return (f"Megatron logs at iteration {iteration + k} ('learning rate' of its log line; "
+            f"{k} successful update{'s' if k != 1 else ''} after the saved iteration {iteration})")
+
+
 def _group_overrides(optimizer: Any) -> list[dict]:
     """Per param group, the fields the scheduler reads (max_lr/min_lr overrides); [{}] without groups."""
     groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
@@ -278,7 +289,9 @@ class MegatronRecorder:
                 "scheduler_position": int(scheduler.num_steps),
                 "increment": gbs,
                 "lr_schedule_ahead": [row[0] for row in
-                                      schedule.lr_ahead(scheduler.num_steps, gbs, self.lr_lookahead)]},
+                                      schedule.lr_ahead(scheduler.num_steps, gbs, self.lr_lookahead)],
+                "samples": {"consumed_train_samples": int(args.consumed_train_samples),
+                            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0)}},
         }
 
     def before_save(self, iteration: int) -> None:
@@ -474,7 +487,7 @@ class MegatronRecorder:
         recorded = mega.get("lr_schedule_ahead")
         if not isinstance(position, int) or not isinstance(recorded, list):
             return
-        update = manifest.train_state.updates_successful
+        iteration = manifest.train_state.iteration
         if getattr(args, "use_checkpoint_opt_param_scheduler", False):
             # Megatron keeps the checkpoint's lengths and style (the arguments it ignores are
             # named once the pickles are vetted); what it still takes from the arguments must
@@ -498,8 +511,8 @@ class MegatronRecorder:
         if flat != recorded:
             i = next(i for i, (a, b) in enumerate(zip(recorded, flat)) if a != b)
             error = ContinuityError(f"lr_ahead[+{i}]", recorded[i], flat[i],
-                                    f"{who} another LR at update {update + i + 1} than the checkpoint's "
-                                    f"schedule{why}")
+                                    f"{who} another LR {megatron_lr_numbering(iteration, i)} than the "
+                                    f"checkpoint's schedule{why}")
             if not self.accept_schedule_change:
                 raise error
             log.warning("resume: accepted schedule change: %s", error)
@@ -536,12 +549,21 @@ class MegatronRecorder:
         if scheduler.num_steps != position:
             raise ContinuityError("scheduler.position", f"{position} samples (updates_successful x global "
                                   "batch)", scheduler.num_steps, "the scheduler did not resume where it stopped")
-        actual_lr = lr_ahead_megatron(scheduler, args.global_batch_size, len(expected.lr_ahead),
-                                      _group_overrides(optimizer))
+        adopted = isinstance((loaded.manifest.expectation.get("megatron") or {}).get("adopted"), dict)
+        if adopted:
+            # Adopted (resume megatron adopt): the param groups' own overrides were not known, only
+            # the scheduler's LR was recorded; the next save records every group's.
+            rows = MegatronSchedule.from_scheduler(scheduler).lr_ahead(
+                scheduler.num_steps, args.global_batch_size, len(expected.lr_ahead))
+            actual_lr = [[row[0]] for row in rows]
+        else:
+            actual_lr = lr_ahead_megatron(scheduler, args.global_batch_size, len(expected.lr_ahead),
+                                          _group_overrides(optimizer))
         if actual_lr != expected.lr_ahead and not self.accept_schedule_change:
             k = next(i for i, (a, b) in enumerate(zip(expected.lr_ahead, actual_lr)) if a != b)
             raise ContinuityError(f"lr_ahead[+{k}]", expected.lr_ahead[k], actual_lr[k],
-                                  "the learning-rate schedule does not continue where it stopped")
+                                  f"the learning-rate schedule does not continue where it stopped (the LR "
+                                  f"{megatron_lr_numbering(iteration, k)})")
         live_schedule = [MegatronSchedule.from_scheduler(scheduler).to_dict()]
         if live_schedule != expected.schedule and not self.accept_schedule_change:
             for key in sorted(live_schedule[0]):

@@ -166,6 +166,8 @@ class MegatronSchedule:
         """
         if not isinstance(state, dict):
             raise ManifestError(f"{source}: opt_param_scheduler: expected a dict, actual {type(state).__name__}")
+        if state.get("lr_decay_style") != "WSD":  # as a live scheduler has them (from_scheduler)
+            wsd_decay_steps = lr_wsd_decay_style = None
         try:
             return cls(init_lr=init_lr, max_lr=float(state["max_lr"]), min_lr=state["min_lr"],
                        lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],

@@ -194,7 +194,9 @@ def run(config: dict) -> dict:
 
     save_dir = config["save_dir"]
     cpu_stream_patch()
-    recorder = install(control_poll_s=0.0)  # as a launch script does, before Megatron parses
+    # As a launch script does, before Megatron parses; "install": false is Megatron alone (a run
+    # whose saves resume never recorded).
+    recorder = install(control_poll_s=0.0) if config.get("install", True) else None
     args, model, optimizer, scheduler = fresh(save_dir, tuple(config.get("extra", ())))
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.core.utils import get_model_config
@@ -217,7 +219,7 @@ def run(config: dict) -> dict:
     except ResumeError as e:
         out["error"] = {"type": type(e).__name__, "message": str(e)}
         return out
-    out["loaded"] = recorder.loaded.manifest.step if recorder.loaded is not None else None
+    out["loaded"] = recorder.loaded.manifest.step if recorder is not None and recorder.loaded is not None else None
     out["start_iteration"] = args.iteration
     out["start_consumed"] = args.consumed_train_samples
 
@@ -237,7 +239,7 @@ def run(config: dict) -> dict:
     out["params"] = params_digest(model)
     out["consumed"] = args.consumed_train_samples
     out["scheduler_steps"] = scheduler.num_steps
-    out["last_committed"] = recorder.last_committed
+    out["last_committed"] = recorder.last_committed if recorder is not None else None
     return out
 
 
