@@ -371,7 +371,7 @@ class MegatronRecorder:
             for step, why in search.passed_over:
                 log.warning("resume: passing over %s: %s", MEGATRON_LAYOUT.dirname(step), why)
         if search.chosen is None:
-            self._without_manifest(pinned, search)
+            self._without_manifest(pinned, search, args)
             return None
         return self._point_megatron_at(search.chosen, args)
 
@@ -402,10 +402,12 @@ class MegatronRecorder:
         manifest, rejected = self.run.find_latest(below=below, only=only)
         return manifest, [(r.step, r.reason, r.has_manifest) for r in rejected]
 
-    def _without_manifest(self, pinned: int | None, search: _Search) -> None:
+    def _without_manifest(self, pinned: int | None, search: _Search, args: Any) -> None:
         """Collective: nothing of ours to load. Refused when ``--ckpt-step`` names a missing
         checkpoint or when every recorded one failed; else Megatron loads what it would (its
-        pickles vetted first), and continuity is not checked for this restart."""
+        files checked against its own .metadata, its pickles vetted first), and continuity is
+        not checked for this restart. A save of Megatron's whose files do not match its
+        .metadata is passed over for the newest older one that does (``args.ckpt_step``)."""
         if pinned and not search.passed_over and not search.recorded:
             d = MEGATRON_LAYOUT.dirname(pinned)
             if not self.collective.on_rank0(lambda: self.run.storage.isdir(d)):
@@ -417,9 +419,29 @@ class MegatronRecorder:
                 + "; ".join(f"{MEGATRON_LAYOUT.dirname(s)}: {w}" for s, w in search.passed_over[:3]) + ")")
         megatron_choice = pinned or self.collective.on_rank0(lambda: _tracker_or_none(self.run.storage))
         if megatron_choice:
+            sound = self.collective.on_rank0(lambda: self._sound_unrecorded(megatron_choice, pinned))
+            if sound != megatron_choice:
+                args.ckpt_step = sound  # restored after this load (_Wiring.load_checkpoint)
             log.warning("resume: %s: no resume manifest; Megatron loads %s and continuity is NOT "
-                        "checked for this restart", self.run.url, MEGATRON_LAYOUT.dirname(megatron_choice))
-            self.collective.on_rank0(lambda: self._vet_pickles(megatron_choice, None))
+                        "checked for this restart (`resume megatron adopt` records it)", self.run.url,
+                        MEGATRON_LAYOUT.dirname(sound))
+            self.collective.on_rank0(lambda: self._vet_pickles(sound, None))
+
+    def _sound_unrecorded(self, choice: int, pinned: int | None) -> int:
+        """Rank 0: ``choice`` if its files match Megatron's .metadata, else the newest older save
+        that does (logged); NoValidCheckpointError when none does (or ``choice`` was pinned)."""
+        from .megatron_check import check_save
+
+        problems: list[str] = []
+        for step in [choice] if pinned else [s for s in reversed(self.run.step_dirs()) if s <= choice]:
+            check = check_save(self.run.storage, step)
+            if check.ok:
+                return step
+            problems.append(f"{MEGATRON_LAYOUT.dirname(step)}: {check.problems[0]}")
+            log.warning("resume: passing over %s (no resume manifest): %s", MEGATRON_LAYOUT.dirname(step),
+                        "; ".join(check.problems))
+        raise NoValidCheckpointError(f"{self.run.url}: expected a Megatron save whose files match its "
+                                     f".metadata, actual none ({'; '.join(problems[:3])})")
 
     def _point_megatron_at(self, chosen: Manifest, args: Any) -> int | None:
         """Collective: the arguments checked and the pickles vetted, Megatron pointed at ``chosen``.

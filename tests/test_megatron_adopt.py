@@ -142,3 +142,19 @@ def _tensor_data_offset(save: str, iteration: int) -> int:
     from support.megatron_records import tensor_data_offset
 
     return tensor_data_offset(os.path.join(save, f"iter_{iteration:07d}"))
+
+
+def test_restart_without_adoption_passes_over_a_cut_save_for_the_newest_sound_one(megatron_alone, tmp_path):
+    """Nothing adopted: Megatron loads its tracker's save without the continuity check; one whose
+    files do not match its .metadata is passed over (Megatron would fail inside its load)."""
+    from support.megatron_train_loop import log_tail, run_to_end
+
+    save = _copy(megatron_alone, tmp_path)
+    data = os.path.join(save, "iter_0000008", "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    out = run_to_end(str(tmp_path), "cut", save_dir=save, extra=_flags(save))
+    assert "error" not in out, out
+    assert out["loaded"] is None and out["start_iteration"] == 4 and out["iteration"] == 12
+    log = log_tail(str(tmp_path), "cut", 400)
+    assert "passing over iter_0000008 (no resume manifest)" in log and "truncated" in log
