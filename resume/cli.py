@@ -299,9 +299,12 @@ def verify(run_url: str, step: int | None, deep: bool, as_json: bool) -> int:
     Without --step every step directory is checked; uncommitted ones (no
     manifest: a save that did not finish) are listed but are not problems; and
     LATEST, when present, must name a committed step. A file in a step
-    directory that its manifest does not list is a problem.
-    Exits 0 if every committed checkpoint is sound, 1 naming each problem, 3 if
-    there is no run or no checkpoint at all.
+    directory that its manifest does not list is a problem. In a Megatron save
+    directory, a save Megatron finished without our manifest is checked from its
+    own .metadata (--deep: every record's CRC-32): unrecorded when sound, broken
+    otherwise (runbooks/megatron.md).
+    Exits 0 if every committed (or unrecorded) checkpoint is sound, 1 naming each
+    problem, 3 if there is no run or no checkpoint at all.
     """
     run = Run.open(run_url)
     verdict = _verify_run(run, step, deep=deep, show=_is_terminal() and not as_json)
