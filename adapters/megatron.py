@@ -22,7 +22,14 @@ adds what it lacks:
   Megatron will ignore, naming its value and the checkpoint's, which Megatron uses;
 - after each load, the continuity check on the live objects: counters,
   scheduler position, LR ahead, schedule, next batch, RNG; a mismatch raises
-  ``ContinuityError`` before the first iteration.
+  ``ContinuityError`` before the first iteration. LRs are named in Megatron's
+  numbering (``megatron_lr_numbering``: the LR Megatron logs at iteration N).
+
+Saves Megatron made before ``resume`` was installed have no manifest: with nothing
+recorded, the tracker's save is checked against its own ``.metadata``
+(``megatron_check``) before Megatron loads it, and loaded without the continuity
+check; ``resume megatron adopt`` (``megatron_adopt``) records one, and the restart
+after it is checked (the scheduler's LR; RNG and group overrides were not known).
 
 It is built on the same core objects as the coordinator, not beside them: the
 commit is ``resume.commit.StepCommit`` (``prepare`` withdraws an old manifest,
