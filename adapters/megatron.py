@@ -91,6 +91,7 @@ from resume.run import Run
 from resume.state import TrainState
 from resume.storage import join, open_storage
 
+from .megatron_async import AsyncCommits
 from .megatron_ckpt import (
     MEGATRON_LAYOUT,
     CommonState,
@@ -726,8 +727,6 @@ def _tracker_or_none(storage: Any) -> int | None:
 def check_supported(args: Any) -> None:
     """Settings whose saves resume cannot record yet: refused before training, not at a save."""
     problems = []
-    if getattr(args, "async_save", False):
-        problems.append("--async-save (manifests are written for synchronous saves only)")
     if getattr(args, "rampup_batch_size", None):
         problems.append("--rampup-batch-size (the counters assume a constant global batch)")
     if getattr(args, "decrease_batch_size_if_needed", False):
@@ -796,6 +795,7 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
             module.save_checkpoint = wiring.save_checkpoint
         if hasattr(module, "load_checkpoint"):
             module.load_checkpoint = wiring.load_checkpoint
+    wiring.async_commits = AsyncCommits.install(checkpointing)  # --async-save: commit at finalize
     training.train_step = wiring.train_step
     training.checkpoint_and_decide_exit = wiring.checkpoint_and_decide_exit
     log.info("resume: Megatron integration installed (manifests beside each torch_dist save)")
@@ -853,6 +853,10 @@ class _Wiring:
                     and opt_param_scheduler is not None)  # upcycling saves a model alone
         if recorded:
             check_supported(args)
+            if args.async_save:  # committed when Megatron finalizes the save (megatron_async)
+                return self.async_commits.save(
+                    r, iteration, args, opt_param_scheduler, optimizer,
+                    lambda: self._save(iteration, model, optimizer, opt_param_scheduler, *a, **kw))
             r.before_save(iteration)
         result = self._save(iteration, model, optimizer, opt_param_scheduler, *a, **kw)
         if recorded:

@@ -1,0 +1,186 @@
+"""Megatron's ``--async-save``: our manifest is written when Megatron finalizes the save.
+
+With ``--async-save``, megatron.training's ``save_checkpoint`` returns as soon as the
+save is scheduled (``schedule_async_save``): a background worker writes the shards
+while training goes on. The save is finalized later by ``maybe_finalize_async_save``
+(every iteration without waiting, and waiting at the end of training and before an
+exit), on every rank together, once an all-reduce says every rank's write is done:
+the request's finalize functions run in order, dist_checkpointing's first
+(``.metadata``, ``metadata.json``), then Megatron's (the tracker, on rank 0).
+
+``AsyncCommits`` appends our commit to those finalize functions. What must stay true:
+
+- The manifest (the commit) is written in Megatron's finalize step, after Megatron's
+  own finalize functions, never before: a job killed between the schedule and the
+  finalize leaves the iteration without a manifest, so discovery, ``resume ls``,
+  ``verify`` and the Slurm hook pass it over as uncommitted, and a restart loads the
+  last finalized one.
+- What the manifest says of the training (the three counters, the next batch, the LR
+  ahead, every rank's RNG digest) is taken when the save is scheduled, at the iteration
+  saved: by the finalize, training has moved on. Only the file records (the listing and
+  the checksums) are taken at the finalize, from the complete files.
+- Finalize functions run on every rank in the same order, and Megatron's contain
+  barriers; ours is appended last on every rank, so its collectives line up.
+- Two saves of the same iteration never write at once: a save of an iteration whose
+  earlier save is still pending first finalizes that one (``maybe_wait_for_commit``).
+
+A ``resume save`` request must be answered only once its step is committed: the code
+that answers calls ``maybe_wait_for_commit(step)`` first, which finalizes (waiting)
+when that step's save is still pending.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from resume.commit import StepCommit
+from resume.errors import InvariantError
+from resume.manifest import Manifest
+
+from .megatron_ckpt import MEGATRON_LAYOUT
+
+if TYPE_CHECKING:
+    from .megatron import MegatronRecorder
+
+__all__ = ["AsyncCommits", "SaveSnapshot", "commit_save", "snapshot_save"]
+
+log = logging.getLogger("resume")
+
+
+@dataclass
+class SaveSnapshot:
+    """What the manifest of ``iteration`` records of the training, taken when the save was scheduled."""
+
+    iteration: int
+    parts: list[dict]
+    """Every rank's part of the manifest but its files: counters, RNG digest (rank 0: the expectation)."""
+    started: float
+
+
+def snapshot_save(recorder: MegatronRecorder, iteration: int, args: Any, scheduler: Any,
+                  optimizer: Any) -> SaveSnapshot:
+    """Collective, at the iteration saved: every rank's part of the manifest but the files.
+
+    The skip count restarts here: the updates after this point belong to the next save.
+    """
+    from .megatron import rng_digest
+
+    started = recorder.clock()
+
+    def local() -> dict:
+        state = recorder.counters(iteration, args, scheduler)
+        part = {"state": state.to_dict(), "rng": rng_digest()}
+        if recorder.comm.rank == 0:
+            part["expectation"] = recorder.expectation(state, args, scheduler, optimizer)
+        return part
+
+    parts = recorder.collective.each(local, f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
+    recorder._reset_count(parts[0]["state"]["updates_skipped"], args)
+    return SaveSnapshot(iteration, parts, started)
+
+
+def commit_save(recorder: MegatronRecorder, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
+    """Collective, once the files are complete: list and checksum them, write the manifest.
+
+    Rank 0 lists the directory once; every rank checksums its share. The manifest on
+    rank 0, None on the others.
+    """
+    from .megatron import _walk
+
+    commit = StepCommit(recorder.run, snapshot.iteration, lease=recorder._lease)
+    names = recorder.collective.on_rank0(lambda: sorted(
+        n for n in _walk(recorder.run, commit.dirname) if n != MEGATRON_LAYOUT.manifest_name))
+    files = recorder.collective.each(
+        lambda: commit.checksum_share(names, recorder.comm.rank, recorder.comm.world_size),
+        f"manifest of {commit.dirname}", saving=True)
+    parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
+    committed: list[Manifest] = []
+    recorder.collective.on_rank0(lambda: committed.append(commit.finalize(
+        [part["files"] for part in parts],
+        recorder._manifest(snapshot.iteration, parts, args, snapshot.started))))
+    recorder.last_committed = snapshot.iteration
+    return committed[0] if committed else None
+
+
+class AsyncCommits:
+    """The commits of Megatron's scheduled async saves, each run in Megatron's finalize step.
+
+    ``schedule_async_save`` is put in place of the name ``megatron.training.checkpointing``
+    calls; it passes every request on, and appends the commit to the one a recorded save
+    arms (the request that carries Megatron's finalize functions).
+    """
+
+    def __init__(self, schedule: Callable[[Any], Any], finalize: Callable[..., Any]) -> None:
+        """
+        Args:
+            schedule: Megatron's ``schedule_async_save`` (what the replacement passes requests to).
+            finalize: Megatron's ``maybe_finalize_async_save(blocking=..., terminate=...)``.
+        """
+        self._schedule = schedule
+        self._finalize = finalize
+        self._armed: Callable[[], Any] | None = None
+        self.pending: list[int] = []
+        """Iterations scheduled and not yet committed, oldest first (alike on every rank)."""
+
+    @classmethod
+    def install(cls, checkpointing: Any) -> AsyncCommits:
+        """Put ``schedule_async_save`` in place in ``megatron.training.checkpointing``."""
+        from megatron.training import async_utils
+
+        commits = cls(checkpointing.schedule_async_save, async_utils.maybe_finalize_async_save)
+        checkpointing.schedule_async_save = commits.schedule_async_save
+        return commits
+
+    def schedule_async_save(self, request: Any) -> Any:
+        """Megatron's ``schedule_async_save``, with the armed commit appended to the request.
+
+        Megatron moves its finalize functions to the last request it schedules for a save
+        (a logits request, when distillation writes one): the commit goes with them, on
+        every rank alike, and never on a request that carries none.
+        """
+        if self._armed is not None and request.finalize_fns:
+            request.add_finalize_fn(self._armed)
+            self._armed = None
+        return self._schedule(request)
+
+    def save(self, recorder: MegatronRecorder, iteration: int, args: Any, scheduler: Any, optimizer: Any,
+             megatron_save: Callable[[], Any]) -> Any:
+        """Collective: one recorded async save; ``megatron_save`` is Megatron's ``save_checkpoint``.
+
+        Returns what Megatron returns, once the save is scheduled; the manifest is written
+        when Megatron finalizes it.
+        """
+        self.maybe_wait_for_commit(iteration)  # never two writers in one directory
+        recorder.before_save(iteration)
+        snapshot = snapshot_save(recorder, iteration, args, scheduler, optimizer)
+        self._armed = lambda: self._commit(recorder, snapshot, args)
+        self.pending.append(iteration)
+        try:
+            result = megatron_save()
+            if self._armed is not None:
+                raise InvariantError(
+                    f"{recorder.run.storage.url(MEGATRON_LAYOUT.dirname(iteration))}: expected Megatron to "
+                    "schedule an async request with finalize functions (--async-save), actual none: "
+                    "the save is left uncommitted")
+        except BaseException:
+            self._armed = None
+            self.pending.remove(iteration)
+            raise
+        return result
+
+    def _commit(self, recorder: MegatronRecorder, snapshot: SaveSnapshot, args: Any) -> None:
+        """Megatron's finalize step, every rank: the files are complete (all-reduced), commit them."""
+        try:
+            commit_save(recorder, snapshot, args)
+        finally:
+            self.pending.remove(snapshot.iteration)
+
+    def maybe_wait_for_commit(self, iteration: int) -> None:
+        """Collective: when the save of ``iteration`` is still pending, finalize (waiting) every
+        pending save up to it, so its manifest exists on return."""
+        if iteration in self.pending:
+            log.info("resume: waiting for the async save of %s to finalize", MEGATRON_LAYOUT.dirname(iteration))
+            self._finalize(blocking=True)
