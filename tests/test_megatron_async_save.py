@@ -117,6 +117,23 @@ def test_restart_loads_the_last_finalized_save_and_commits_its_own_at_the_end(ki
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_restart_after_a_kill_before_the_first_finalize_starts_fresh(killed, tmp_path):
+    """A copy holding only what a job killed before its first finalize leaves: iter_0000005
+    written by the worker, no manifest, no tracker. Nothing is loaded; the torn files are
+    written over by the next save of 5 and committed."""
+    import shutil
+
+    save_dir, _ = killed
+    copy = tmp_path / "save"
+    copy.mkdir()
+    shutil.copytree(os.path.join(save_dir, "iter_0000005"), copy / "iter_0000005")
+    out = run_ranks(_restart, 1, str(copy))[0]
+    assert out["loaded"] is None and out["iteration"] == 0
+    assert out["after_finalize"]["committed"] == [5]
+    proc = resume("verify", "--deep", str(copy))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def _restart(rank: int, world: int, save_dir: str) -> dict:
     from support.megatron_async import restart_and_save
 
