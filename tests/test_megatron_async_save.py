@@ -138,3 +138,37 @@ def _restart(rank: int, world: int, save_dir: str) -> dict:
     from support.megatron_async import restart_and_save
 
     return restart_and_save(rank, world, save_dir)
+
+
+def test_the_commit_goes_on_the_request_that_carries_megatrons_finalize_functions():
+    """With distillation Megatron schedules the checkpoint request with no finalize functions, then
+    a logits request carrying them all: the commit goes with them, never on the empty one."""
+    import types
+
+    from resume.adapters.megatron_async import AsyncCommits
+
+    scheduled = []
+    commits = AsyncCommits(scheduled.append, lambda **kw: None)
+    commit = object()
+    commits._armed = commit
+
+    def request(fns):
+        return types.SimpleNamespace(finalize_fns=fns, add_finalize_fn=fns.append)
+
+    empty, carrying = request([]), request(["megatron's"])
+    commits.schedule_async_save(empty)
+    commits.schedule_async_save(carrying)
+    assert scheduled == [empty, carrying] and empty.finalize_fns == []
+    assert carrying.finalize_fns == ["megatron's", commit] and commits._armed is None
+
+
+def test_waiting_for_a_commit_finalizes_only_when_that_iteration_is_pending():
+    from resume.adapters.megatron_async import AsyncCommits
+
+    calls = []
+    commits = AsyncCommits(lambda request: None, lambda **kw: calls.append(kw))
+    commits.pending = [2, 3]
+    commits.maybe_wait_for_commit(4)
+    assert calls == []
+    commits.maybe_wait_for_commit(3)
+    assert calls == [{"blocking": True}]
