@@ -42,7 +42,12 @@ Call sequence (every rank, in this order; some calls are collective):
 
   save: ``before_save(iteration)`` -> Megatron's ``save_checkpoint`` returns
         (synchronous save: data written, barrier passed, tracker updated) ->
-        ``after_save(iteration, args, scheduler, optimizer)``
+        ``after_save(iteration, args, scheduler, optimizer)``.
+        With ``--async-save``: ``before_save`` -> ``snapshot_save`` (counters, next batch,
+        LR ahead, RNG: collective, at the iteration saved) -> Megatron schedules the save ->
+        ... -> Megatron's finalize step (every rank, once every rank's write is done, after
+        Megatron's own finalize functions and its tracker) -> ``commit_save`` (files listed
+        and checksummed, manifest written); ``resume.adapters.megatron_async``.
   load: ``before_load(args)`` -> Megatron's ``load_checkpoint`` ->
         ``after_load(iteration, args, scheduler, optimizer)``
   each iteration (optional): ``count_iteration(skipped)``, ``poll_control()``
@@ -91,7 +96,7 @@ from resume.run import Run
 from resume.state import TrainState
 from resume.storage import join, open_storage
 
-from .megatron_async import AsyncCommits
+from .megatron_async import AsyncCommits, SaveSnapshot
 from .megatron_ckpt import (
     MEGATRON_LAYOUT,
     CommonState,
@@ -316,34 +321,44 @@ class MegatronRecorder:
 
     def after_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> Manifest | None:
         """Collective, after Megatron's synchronous save returned: write the manifest (the commit).
+        The manifest on rank 0, None on the others. (``--async-save``: ``megatron_async`` takes
+        the snapshot when the save is scheduled and commits it when Megatron finalizes it.)"""
+        return self.commit_save(self.snapshot_save(iteration, args, scheduler, optimizer), args)
 
-        Rank 0 lists the directory once; every rank checksums its share, so a 7 TB
-        checkpoint is read once, in parallel. The manifest on rank 0, None on the others.
-        """
+    def snapshot_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any) -> SaveSnapshot:
+        """Collective, at the iteration saved: every rank's part of the manifest but the files
+        (counters, RNG digest; rank 0 the expectation). The skip count restarts here: the
+        updates after this point belong to the next save."""
         started = self.clock()
-        commit = StepCommit(self.run, iteration, lease=self._lease)
+
+        def local() -> dict:
+            state = self.counters(iteration, args, scheduler)
+            # Only rank 0's view of the next batch and the LR goes into the manifest;
+            # the others send their RNG digest (5,120 copies of 1,920 ids add up).
+            part = {"state": state.to_dict(), "rng": rng_digest()}
+            if self.comm.rank == 0:
+                part["expectation"] = self.expectation(state, args, scheduler, optimizer)
+            return part
+
+        parts = self.collective.each(local, f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
+        self._reset_count(parts[0]["state"]["updates_skipped"], args)
+        return SaveSnapshot(iteration, parts, started)
+
+    def commit_save(self, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
+        """Collective, once the files are complete: rank 0 lists the directory once, every rank
+        checksums its share (a 7 TB checkpoint is read once, in parallel), rank 0 writes the
+        manifest. The manifest on rank 0, None on the others."""
+        commit = StepCommit(self.run, snapshot.iteration, lease=self._lease)
         names = self.collective.on_rank0(lambda: sorted(n for n in _walk(self.run, commit.dirname)
                                                         if n != MEGATRON_LAYOUT.manifest_name))
-        parts = self.collective.each(lambda: self._stage_save(commit, names, args, scheduler, optimizer),
+        files = self.collective.each(lambda: commit.checksum_share(names, self.comm.rank, self.comm.world_size),
                                      f"manifest of {commit.dirname}", saving=True)
+        parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
         committed: list[Manifest] = []  # rank 0's, kept here rather than sent to every rank
         self.collective.on_rank0(lambda: committed.append(commit.finalize(
-            [part["files"] for part in parts], self._manifest(iteration, parts, args, started))))
-        self._reset_count(parts[0]["state"]["updates_skipped"], args)
-        self.last_committed = iteration
+            [part["files"] for part in parts], self._manifest(snapshot.iteration, parts, args, snapshot.started))))
+        self.last_committed = snapshot.iteration
         return committed[0] if committed else None
-
-    def _stage_save(self, commit: StepCommit, names: list[str], args: Any, scheduler: Any,
-                    optimizer: Any) -> dict:
-        """This rank's part of the manifest: counters, its share of the file records, its RNG."""
-        state = self.counters(commit.step, args, scheduler)
-        files = commit.checksum_share(names, self.comm.rank, self.comm.world_size)
-        # Only rank 0's view of the next batch and the LR goes into the manifest;
-        # the others send their files and RNG digest (5,120 copies of 1,920 ids add up).
-        out = {"state": state.to_dict(), "files": files, "rng": rng_digest()}
-        if self.comm.rank == 0:
-            out["expectation"] = self.expectation(state, args, scheduler, optimizer)
-        return out
 
     def _manifest(self, iteration: int, parts: list[dict], args: Any, started: float) -> Manifest:
         """Rank 0: the manifest from every rank's part (the files are added by the commit)."""
@@ -783,7 +798,8 @@ def install(*, recorder: MegatronRecorder | None = None, **options: Any) -> Mega
     Call once, before ``pretrain(...)``. Wraps, by name, in both modules that
     bind them: ``checkpointing.save_checkpoint``/``load_checkpoint`` and
     ``training.save_checkpoint``/``load_checkpoint``/``train_step``/
-    ``checkpoint_and_decide_exit``. ``options`` go to ``MegatronRecorder``
+    ``checkpoint_and_decide_exit``, and ``checkpointing.schedule_async_save``
+    (``--async-save``: the commit runs in Megatron's finalize step). ``options`` go to ``MegatronRecorder``
     when it is created here (from ``args.save`` at the first call).
     """
     if _INSTALLED:  # once per process: wrapping the wrappers would record every save twice
@@ -897,11 +913,16 @@ class _Wiring:
             exit_now = self._decide(model, optimizer, opt_param_scheduler, iteration,
                                     num_floating_point_operations_so_far, checkpointing_context,
                                     train_data_iterator)
-            if requests and r.last_committed != iteration:
-                self._training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                                        num_floating_point_operations_so_far,
-                                                        checkpointing_context,
-                                                        train_data_iterator=train_data_iterator)
+            if requests:
+                # --async-save: answered only once the step is committed (Megatron's own save of
+                # this iteration, or ours below): its finalize is waited for here.
+                self.async_commits.maybe_wait_for_commit(iteration)
+                if r.last_committed != iteration:
+                    self._training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                                            num_floating_point_operations_so_far,
+                                                            checkpointing_context,
+                                                            train_data_iterator=train_data_iterator)
+                    self.async_commits.maybe_wait_for_commit(iteration)
         except Exception as e:
             if requests:
                 r.answer(requests, step=None, error=str(e))

@@ -36,16 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from resume.commit import StepCommit
 from resume.errors import InvariantError
-from resume.manifest import Manifest
 
 from .megatron_ckpt import MEGATRON_LAYOUT
 
 if TYPE_CHECKING:
     from .megatron import MegatronRecorder
 
-__all__ = ["AsyncCommits", "SaveSnapshot", "commit_save", "snapshot_save"]
+__all__ = ["AsyncCommits", "SaveSnapshot"]
 
 log = logging.getLogger("resume")
 
@@ -58,51 +56,6 @@ class SaveSnapshot:
     parts: list[dict]
     """Every rank's part of the manifest but its files: counters, RNG digest (rank 0: the expectation)."""
     started: float
-
-
-def snapshot_save(recorder: MegatronRecorder, iteration: int, args: Any, scheduler: Any,
-                  optimizer: Any) -> SaveSnapshot:
-    """Collective, at the iteration saved: every rank's part of the manifest but the files.
-
-    The skip count restarts here: the updates after this point belong to the next save.
-    """
-    from .megatron import rng_digest
-
-    started = recorder.clock()
-
-    def local() -> dict:
-        state = recorder.counters(iteration, args, scheduler)
-        part = {"state": state.to_dict(), "rng": rng_digest()}
-        if recorder.comm.rank == 0:
-            part["expectation"] = recorder.expectation(state, args, scheduler, optimizer)
-        return part
-
-    parts = recorder.collective.each(local, f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
-    recorder._reset_count(parts[0]["state"]["updates_skipped"], args)
-    return SaveSnapshot(iteration, parts, started)
-
-
-def commit_save(recorder: MegatronRecorder, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
-    """Collective, once the files are complete: list and checksum them, write the manifest.
-
-    Rank 0 lists the directory once; every rank checksums its share. The manifest on
-    rank 0, None on the others.
-    """
-    from .megatron import _walk
-
-    commit = StepCommit(recorder.run, snapshot.iteration, lease=recorder._lease)
-    names = recorder.collective.on_rank0(lambda: sorted(
-        n for n in _walk(recorder.run, commit.dirname) if n != MEGATRON_LAYOUT.manifest_name))
-    files = recorder.collective.each(
-        lambda: commit.checksum_share(names, recorder.comm.rank, recorder.comm.world_size),
-        f"manifest of {commit.dirname}", saving=True)
-    parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
-    committed: list[Manifest] = []
-    recorder.collective.on_rank0(lambda: committed.append(commit.finalize(
-        [part["files"] for part in parts],
-        recorder._manifest(snapshot.iteration, parts, args, snapshot.started))))
-    recorder.last_committed = snapshot.iteration
-    return committed[0] if committed else None
 
 
 class AsyncCommits:
@@ -155,7 +108,7 @@ class AsyncCommits:
         """
         self.maybe_wait_for_commit(iteration)  # never two writers in one directory
         recorder.before_save(iteration)
-        snapshot = snapshot_save(recorder, iteration, args, scheduler, optimizer)
+        snapshot = recorder.snapshot_save(iteration, args, scheduler, optimizer)
         self._armed = lambda: self._commit(recorder, snapshot, args)
         self.pending.append(iteration)
         try:
@@ -174,7 +127,7 @@ class AsyncCommits:
     def _commit(self, recorder: MegatronRecorder, snapshot: SaveSnapshot, args: Any) -> None:
         """Megatron's finalize step, every rank: the files are complete (all-reduced), commit them."""
         try:
-            commit_save(recorder, snapshot, args)
+            recorder.commit_save(snapshot, args)
         finally:
             self.pending.remove(snapshot.iteration)
 

@@ -172,3 +172,18 @@ def test_waiting_for_a_commit_finalizes_only_when_that_iteration_is_pending():
     assert calls == []
     commits.maybe_wait_for_commit(3)
     assert calls == [{"blocking": True}]
+
+
+def _request(rank: int, world: int, save_dir: str) -> dict:
+    from support.megatron_async import request_answered_after_commit
+
+    return request_answered_after_commit(rank, world, save_dir)
+
+
+def test_a_resume_save_request_is_answered_only_once_its_async_save_is_committed(tmp_path):
+    """The answer names a step only when its manifest exists: the requested save is finalized,
+    waiting, before the answer (without that, the commit would come at a later finalize)."""
+    out = run_ranks(_request, 1, str(tmp_path / "save"))[0]
+    assert out["answer"]["step"] == 2 and out["answer"]["error"] is None, out["answer"]
+    assert out["at_answer"]["manifest"] and out["at_answer"]["committed"] == [2], out["at_answer"]
+    assert out["stop"] is False

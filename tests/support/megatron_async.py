@@ -162,5 +162,33 @@ def restart_and_save(rank: int, world: int, save_dir: str) -> dict:
             "before_finalize": before, "after_finalize": look(save_dir, 5)}
 
 
+def request_answered_after_commit(rank: int, world: int, save_dir: str) -> dict:
+    """A `resume save` request under --async-save, handled by the installed
+    checkpoint_and_decide_exit: what is on disk when it returns (the answer written)."""
+    from resume.adapters.megatron import install
+    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+
+    from resume.control import post_save_request
+    from resume.run import Run
+    from support import megatron_training_run as m
+
+    recorder = install(control_poll_s=0.0)
+    args, model, optimizer, scheduler = m.fresh(save_dir, ASYNC_ARGS)
+    from megatron.training import training  # after fresh(): needs the typing.override alias
+
+    start_persistent_worker(rank)
+    m.load(args, model, optimizer, scheduler)
+    it = m.train(args, model, optimizer, scheduler, recorder, until=2, start=0)
+    run = Run.open(save_dir, create=True, layout=MEGATRON_LAYOUT)
+    request = post_save_request(run, stop=False, reason="test")
+    with contextlib.redirect_stdout(io.StringIO()):
+        stop = training.checkpoint_and_decide_exit(model, optimizer, scheduler, it, 0.0, {}, None)
+    with open(os.path.join(save_dir, "control", request.request_id + ".result")) as f:
+        answer = json.load(f)
+    at_answer = look(save_dir, 2)
+    finalize(blocking=True, terminate=True)
+    return {"answer": answer, "at_answer": at_answer, "stop": stop}
+
+
 if __name__ == "__main__":  # python -m support.megatron_async SAVE_DIR OUT (cwd: tests/)
     killed_job(sys.argv[1], sys.argv[2])
