@@ -36,7 +36,7 @@ from resume.errors import ResumeError, UnsafePathError
 from resume.storage import SMALL_FILE_CAP, Storage, join
 from resume.text import clip, parse_json, short
 
-from .megatron_ckpt import MEGATRON_LAYOUT, CommonState, read_common_state
+from .megatron_ckpt import MEGATRON_LAYOUT, SAMPLE_COUNTERS, CommonState, read_common_state
 
 __all__ = ["UNCAUGHT", "Counters", "SaveCheck", "check_save", "derived_counters"]
 
@@ -72,7 +72,7 @@ def derived_counters(common: CommonState) -> Counters:
     updates the scheduler position over the global batch; skipped the rest of the iterations.
     Without the scheduler's state the updates are unknown, never a guess."""
     args = common.args
-    megatron = {k: args.get(k) for k in ("consumed_train_samples", "skipped_train_samples")}
+    megatron = {k: args.get(k) if isinstance(args.get(k), int) else None for k in SAMPLE_COUNTERS}
     consumed = args.get("consumed_train_samples")
     samples = consumed if isinstance(consumed, int) else None
     if common.scheduler is None:

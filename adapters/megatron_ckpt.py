@@ -49,6 +49,8 @@ __all__ = ["MEGATRON_LAYOUT", "MEGATRON_TRACKER", "CommonState", "MegatronLayout
            "read_common_state", "read_tracker", "require_save_dir", "require_torch_dist"]
 
 COMMON_KEY = "common_state"
+SAMPLE_COUNTERS = ("consumed_train_samples", "skipped_train_samples")
+"""Megatron's own counters of samples (in its ``args``), shown beside ours."""
 ARG_FIELDS = (
     "global_batch_size", "micro_batch_size", "seq_length", "consumed_train_samples",
     "skipped_train_samples", "train_samples", "train_iters", "seed", "data_parallel_size",
@@ -130,14 +132,16 @@ class MegatronLayout(RunLayout):
         else read from its common state."""
         if result.manifest is None:
             return None
-        recorded = (result.manifest.expectation.get("megatron") or {}).get("samples")
-        if isinstance(recorded, dict):
-            return recorded
-        try:
-            args = read_common_state(run.storage, result.step).args
-        except (OSError, ValueError, RuntimeError):
-            return None
-        return {k: args.get(k) for k in ("consumed_train_samples", "skipped_train_samples")}
+        megatron = result.manifest.expectation.get("megatron")
+        recorded = megatron.get("samples") if isinstance(megatron, dict) else None
+        if not isinstance(recorded, dict):
+            try:
+                recorded = read_common_state(run.storage, result.step).args
+            except (OSError, ValueError, RuntimeError):
+                return None
+        # Read from the run's files: only the two counters, and only as integers.
+        return {k: v if isinstance(v, int) and not isinstance(v, bool) else None
+                for k, v in ((k, recorded.get(k)) for k in SAMPLE_COUNTERS)}
 
 
 MEGATRON_LAYOUT = register_layout(MegatronLayout(

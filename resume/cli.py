@@ -329,14 +329,23 @@ def _print_verdict(run: Run, verdict: _Verdict, *, deep: bool, whole_run: bool) 
         if r.committed:
             state = r.manifest.train_state  # type: ignore[union-attr]
             click.echo(f"{run.dirname(r.step)}  ok{' (checksums)' if deep else ''}  "
-                       f"iteration {state.iteration}, {len(r.manifest.files)} files")  # type: ignore[union-attr]
+                       f"iteration {state.iteration}, {len(r.manifest.files)} files"  # type: ignore[union-attr]
+                       + _framework_counters(run, run.layout.framework_counters(run, r)))
         elif r.status == "unrecorded":
-            click.echo(f"{run.dirname(r.step)}  unrecorded (no resume manifest): {r.framework.checked}")  # type: ignore[union-attr]
+            click.echo(f"{run.dirname(r.step)}  unrecorded (no resume manifest): {r.framework.checked}"  # type: ignore[union-attr]
+                       + _framework_counters(run, r.framework.framework_counters))  # type: ignore[union-attr]
         elif r.status == "uncommitted" and whole_run:
             click.echo(f"{run.dirname(r.step)}  uncommitted (ignored): {r.reason}")
         else:
             for p in r.problems:
                 click.echo(f"{run.dirname(r.step)}  PROBLEM: {p}")
+
+
+def _framework_counters(run: Run, counters: dict | None) -> str:
+    """``; megatron: consumed_train_samples 24, skipped_train_samples 4`` (empty without)."""
+    if not counters:
+        return ""
+    return f"; {run.layout.name}: " + ", ".join(f"{k} {_shown(v)}" for k, v in counters.items())
 
 
 def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], list[str]]:
@@ -448,7 +457,7 @@ def ls_command(run_url: str, as_json: bool) -> int:
         if s.get("unknown"):
             click.echo(f"{'':>10}  updates unknown: {s['unknown']}")
         if entry["framework_counters"]:
-            counters = ", ".join(f"{k} {v}" for k, v in entry["framework_counters"].items())
+            counters = ", ".join(f"{k} {_shown(v)}" for k, v in entry["framework_counters"].items())
             click.echo(f"{'':>10}  {run.layout.name}: {counters}")
         if r.status in ("broken", "uncommitted"):
             click.echo(f"{'':>10}  {r.reason}")
@@ -534,6 +543,9 @@ def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
         click.echo(f"  written by    {manifest.adapter} at {manifest.created_at}")
     click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
                f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
+    framework = run.layout.framework_counters(run, CheckResult(step=manifest.step, manifest=manifest))
+    if framework:
+        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {_shown(v)}" for k, v in framework.items()))
     click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
     click.echo(f"  topology      {json.dumps(manifest.topology, sort_keys=True)}")
     click.echo(f"  user          {json.dumps(manifest.user, sort_keys=True) if manifest.user else 'none'}")
@@ -576,7 +588,7 @@ def _print_framework_save(run: Run, r: CheckResult, as_json: bool) -> None:
     else:
         click.echo("  counters      unknown (the framework's state cannot be read)")
     if f.framework_counters:
-        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {v}" for k, v in f.framework_counters.items()))
+        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {_shown(v)}" for k, v in f.framework_counters.items()))
     if f.checked:
         click.echo(f"  checked       {f.checked}")
 

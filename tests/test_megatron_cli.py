@@ -50,9 +50,11 @@ def test_verify_deep_passes_and_inspect_shows_counters_and_next_batch(save):
     proc = resume("verify", save, "--deep")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "iter_0000006  ok (checksums)" in proc.stdout
+    assert "megatron: consumed_train_samples 24, skipped_train_samples 4" in proc.stdout  # Megatron's own
     proc = resume("inspect", save)
     assert proc.returncode == 0, proc.stderr
     assert "updates 4 successful / 2 skipped" in proc.stdout
+    assert "consumed_train_samples 24, skipped_train_samples 4" in proc.stdout
     assert "[24, 25, 26, 27]" in proc.stdout
     assert "megatron-core" in proc.stdout
 
