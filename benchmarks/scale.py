@@ -584,7 +584,6 @@ def readers_and_bytes(layout: Layout, step_dir: str, run_dir: str, reads: dict[i
         "max_readers_per_file": max((readers[p] for p in control), default=0),
         "most_read_files": [{"file": _generic_name(p), "readers": readers[p], "opens": opens[p],
                              "bytes": bytes_by_file[p]} for p in most_read],
-        "max_readers_per_shard_file": max((readers[p] for p in readers if _SHARD.search(p)), default=0),
         "files_opened_by_rank0": len(reads.get(0, [])),
     }
 
@@ -706,8 +705,9 @@ def metadata_figures(path: str, sizes: dict, cap_mb: float, rate: list[float]) -
         out["metadata_unpickle"] = "measured"
         rate.append(out["metadata_unpickle_s"] / len(data))
     else:
+        # Seconds per byte of the largest size measured in this run (none yet: not measured).
         out["metadata_unpickle_s"] = rate[-1] * len(data) if rate else None
-        out["metadata_unpickle"] = "extrapolated"
+        out["metadata_unpickle"] = "extrapolated" if rate else "not measured (raise --unpickle-cap-mb)"
     os.unlink(path)
     return out
 
