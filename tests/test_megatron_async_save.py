@@ -183,6 +183,9 @@ def _request(rank: int, world: int, save_dir: str) -> dict:
 def test_a_resume_save_request_is_answered_only_once_its_async_save_is_committed(tmp_path):
     """The answer names a step only when its manifest exists: the requested save is finalized,
     waiting, before the answer (without that, the commit would come at a later finalize)."""
+    from support.megatron import require_megatron
+
+    require_megatron()
     out = run_ranks(_request, 1, str(tmp_path / "save"))[0]
     assert out["answer"]["step"] == 2 and out["answer"]["error"] is None, out["answer"]
     assert out["at_answer"]["manifest"] and out["at_answer"]["committed"] == [2], out["at_answer"]
