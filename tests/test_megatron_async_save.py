@@ -14,7 +14,8 @@ import pytest
 from support.cli import resume
 from support.ranks import run_ranks
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
+# Marked one by one: the tests that read our own code run without megatron-core too (.ci/run's
+# fresh-machine step requires every marked test to skip there).
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,6 +51,8 @@ def _manifest(save_dir: str, iteration: int) -> dict:
         return json.load(f)
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_manifest_is_written_when_megatron_finalizes_the_save_not_when_the_files_are_written(killed):
     _, seen = killed
     for moment in ("2 scheduled", "2 written", "3 scheduled, 2 pending"):
@@ -61,6 +64,8 @@ def test_manifest_is_written_when_megatron_finalizes_the_save_not_when_the_files
     assert after["3"]["tracker"] == "3"
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_each_manifest_records_the_iteration_saved_not_the_moment_it_was_finalized(killed):
     """2 and 3 were finalized at iteration 4: their counters, next batch and LR are their own."""
     save_dir, seen = killed
@@ -74,6 +79,8 @@ def test_each_manifest_records_the_iteration_saved_not_the_moment_it_was_finaliz
     assert seen["finalized"]["consumed_now"] == 16
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_the_manifest_lists_the_complete_files_and_verify_checks_their_checksums(killed):
     save_dir, _ = killed
     for iteration in (2, 3):
@@ -85,6 +92,8 @@ def test_the_manifest_lists_the_complete_files_and_verify_checks_their_checksums
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_a_job_killed_before_the_finalize_leaves_that_iteration_uncommitted(killed):
     """Killed after the worker wrote iter_0000005 and before Megatron finalized it: no manifest,
     not committed for resume nor for Megatron's tracker; 2 and 3, finalized before, stay committed."""
@@ -102,6 +111,8 @@ def test_a_job_killed_before_the_finalize_leaves_that_iteration_uncommitted(kill
     assert not steps[5]["committed"] and steps[3]["committed"] and steps[2]["committed"]
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_restart_loads_the_last_finalized_save_and_commits_its_own_at_the_end(killed, tmp_path):
     import shutil
 
@@ -117,6 +128,8 @@ def test_restart_loads_the_last_finalized_save_and_commits_its_own_at_the_end(ki
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_restart_after_a_kill_before_the_first_finalize_starts_fresh(killed, tmp_path):
     """A copy holding only what a job killed before its first finalize leaves: iter_0000005
     written by the worker, no manifest, no tracker. Nothing is loaded; the torn files are
@@ -180,6 +193,8 @@ def _request(rank: int, world: int, save_dir: str) -> dict:
     return request_answered_after_commit(rank, world, save_dir)
 
 
+@pytest.mark.megatron
+@pytest.mark.multiprocess
 def test_a_resume_save_request_is_answered_only_once_its_async_save_is_committed(tmp_path):
     """The answer names a step only when its manifest exists: the requested save is finalized,
     waiting, before the answer (without that, the commit would come at a later finalize)."""
