@@ -39,6 +39,11 @@ def test_scale_benchmark_json(tmp_path):
     for key in ("rank0_bytes_per_save", "manifest_bytes", "metadata_bytes", "dcp_items_written"):
         assert large[key] > small[key], key
     assert small["layout"] == "TP8 x PP1 x DP1" and large["layout"] == "TP8 x PP8 x DP1"
+    # What must not grow: what each rank receives per save (a gather to rank 0, one small verdict
+    # back; an all-gather made it grow with N), and how many ranks read one file at restore.
+    assert large["bytes_per_rank_per_save"] <= 2 * small["bytes_per_rank_per_save"] + 64, (small, large)
+    assert large["bytes_per_rank_per_save"] < 1024
+    assert all(f["max_readers_per_file"] <= 8 for f in result["ranks"].values())
     growth = result["growth"]
     assert (growth["from"], growth["to"], growth["ranks"]) == (8, 64, 8)
     assert growth["ratio"]["metadata_bytes"] > 1
