@@ -340,8 +340,12 @@ class MegatronRecorder:
                 part["expectation"] = self.expectation(state, args, scheduler, optimizer)
             return part
 
-        parts = self.collective.each(local, f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
-        self._reset_count(parts[0]["state"]["updates_skipped"], args)
+        mine: dict = {}
+        # Only rank 0 receives the parts (each rank sends its own); every rank restarts its
+        # skip count from its own counters, which every rank checked alike.
+        parts = self.collective.gather(lambda: mine.setdefault("part", local()),
+                                       f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
+        self._reset_count(mine["part"]["state"]["updates_skipped"], args)
         return SaveSnapshot(iteration, parts, started)
 
     def commit_save(self, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
@@ -351,12 +355,15 @@ class MegatronRecorder:
         commit = StepCommit(self.run, snapshot.iteration, lease=self._lease)
         names = self.collective.on_rank0(lambda: sorted(n for n in _walk(self.run, commit.dirname)
                                                         if n != MEGATRON_LAYOUT.manifest_name))
-        files = self.collective.each(lambda: commit.checksum_share(names, self.comm.rank, self.comm.world_size),
-                                     f"manifest of {commit.dirname}", saving=True)
-        parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
+        files = self.collective.gather(lambda: commit.checksum_share(names, self.comm.rank, self.comm.world_size),
+                                       f"manifest of {commit.dirname}", saving=True)
         committed: list[Manifest] = []  # rank 0's, kept here rather than sent to every rank
-        self.collective.on_rank0(lambda: committed.append(commit.finalize(
-            [part["files"] for part in parts], self._manifest(snapshot.iteration, parts, args, snapshot.started))))
+
+        def finalize() -> None:
+            parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
+            committed.append(commit.finalize([part["files"] for part in parts],
+                                             self._manifest(snapshot.iteration, parts, args, snapshot.started)))
+        self.collective.on_rank0(finalize)
         self.last_committed = snapshot.iteration
         return committed[0] if committed else None
 

@@ -53,8 +53,9 @@ class SaveSnapshot:
     """What the manifest of ``iteration`` records of the training, taken when the save was scheduled."""
 
     iteration: int
-    parts: list[dict]
-    """Every rank's part of the manifest but its files: counters, RNG digest (rank 0: the expectation)."""
+    parts: list[dict] | None
+    """Every rank's part of the manifest but its files: counters, RNG digest (rank 0: the
+    expectation); on rank 0 only (None on the others, which send theirs)."""
     started: float
 
 

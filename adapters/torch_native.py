@@ -100,6 +100,13 @@ class TorchDistComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        # dst is a rank of this group; torch wants the global rank.
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst) if self.group else dst,
+                           group=self.group)
+        return out
+
     def fork(self) -> TorchDistComm:
         # gloo whatever training uses: the background save moves CPU objects only.
         # For a subgroup only its members take part (the rest of the world never calls this).

@@ -23,7 +23,7 @@ from . import errors as _errors
 from .comm import Comm
 from .errors import ContinuityError, ResumeError, SaveFailedError, StorageError
 
-__all__ = ["Collective", "Failure", "rebuild"]
+__all__ = ["Collective", "Failure", "concat", "rebuild"]
 
 log = logging.getLogger("resume")
 
@@ -95,21 +95,68 @@ class Collective:
 
     def each(self, fn: Callable[[], Any], what: str, *, saving: bool = False) -> list[Any]:
         """Run the local step ``fn`` on every rank (no collectives inside), then agree: every
-        rank gets every rank's value, or every rank raises the same error (``agreed_error``)."""
-        local: BaseException | None = None
-        try:
-            report: tuple = ("ok", fn())
-        except Exception as e:  # raised on every rank below
-            if isinstance(e, ResumeError):  # a refusal of ours says it all in one line
-                log.error("resume: rank %d: %s", self.rank, e)
-            else:
-                log.exception("resume: rank %d failed", self.rank)
-            local, report = e, ("error", Failure.of(e, self.rank))
+        rank gets every rank's value, or every rank raises the same error (``agreed_error``).
+        Every rank receives every rank's value: use ``gather`` where only rank 0 needs them."""
+        local, report = self._run_local(fn)
         reports = self.comm.all_gather_object(report)
         failures = [r[1] for r in reports if r[0] != "ok"]
         if not failures:
             return [r[1] for r in reports]
         raise agreed_error(failures, len(reports), what, saving=saving) from local
+
+    def gather(self, fn: Callable[[], Any], what: str, *, saving: bool = False,
+               combine: Callable[[list[Any]], Any] | None = None, everywhere: bool = False) -> Any:
+        """Run the local step ``fn`` on every rank, then agree as ``each`` does, but only rank 0
+        receives the values: each rank sends its own (O(1) per rank), and what comes back to
+        every rank is one small broadcast (ok, or the failures). Rank 0 returns
+        ``combine(values)`` (the list itself without ``combine``); the others None, or the same
+        result with ``everywhere`` (it rides on that broadcast: keep it small). An error in
+        ``combine`` is rank 0's failure, raised on every rank alike."""
+        local, report = self._run_local(fn)
+        return self._agree_on_rank0(report, local, what, saving=saving, combine=combine, everywhere=everywhere)
+
+    def agree(self, fn: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
+        """Run the local step ``fn`` on every rank and agree on the outcome only: each rank
+        keeps its own value (returned), nothing of it is sent; a failure anywhere is raised on
+        every rank alike."""
+        local, report = self._run_local(fn)
+        self._agree_on_rank0(("ok", None) if report[0] == "ok" else report, local, what, saving=saving)
+        return report[1]
+
+    def _agree_on_rank0(self, report: tuple, local: BaseException | None, what: str, *, saving: bool,
+                        combine: Callable[[list[Any]], Any] | None = None, everywhere: bool = False) -> Any:
+        reports = self.comm.gather_object(report, dst=0)
+        result, verdict = None, None
+        if self.rank == 0:
+            assert reports is not None
+            failures = [r[1] for r in reports if r[0] != "ok"]
+            verdict = ("failed", failures, len(reports)) if failures else ("ok", None)
+            if not failures:
+                try:
+                    values = [r[1] for r in reports]
+                    result = combine(values) if combine is not None else values
+                    verdict = ("ok", result if everywhere else None)
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+                    local, verdict = e, ("failed", [Failure.of(e, 0)], len(reports))
+        verdict = self.comm.broadcast_object(verdict, src=0)
+        if verdict[0] == "ok":
+            return result if self.rank == 0 else verdict[1]
+        raise agreed_error(verdict[1], verdict[2], what, saving=saving) from local
+
+    def _run_local(self, fn: Callable[[], Any]) -> tuple[BaseException | None, tuple]:
+        try:
+            return None, ("ok", fn())
+        except Exception as e:  # raised on every rank by the caller
+            if isinstance(e, ResumeError):  # a refusal of ours says it all in one line
+                log.error("resume: rank %d: %s", self.rank, e)
+            else:
+                log.exception("resume: rank %d failed", self.rank)
+            return e, ("error", Failure.of(e, self.rank))
+
+
+def concat(lists: list[list[Any]]) -> list[Any]:
+    """Every rank's list, one after the other (a ``combine`` for ``gather``)."""
+    return [item for items in lists for item in items]
 
 
 def agreed_error(failures: list[Failure], ranks: int, what: str, *, saving: bool = False) -> ResumeError:

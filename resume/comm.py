@@ -19,6 +19,10 @@ class Comm(Protocol):
     def barrier(self) -> None: ...
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on ``dst`` (a list in rank order); None on the others. What
+        each rank sends is its own object only: O(1) per rank, not O(ranks) as an all-gather."""
+        ...
     def max_flags(self, flags: list[int]) -> list[int]:
         """Element-wise maximum of small integer flags over all ranks (one small all-reduce)."""
         ...
@@ -39,6 +43,9 @@ class LocalComm:
         return obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         return [obj]
 
     def max_flags(self, flags: list[int]) -> list[int]:

@@ -141,7 +141,8 @@ class StepCommit:
         """Phases 2 and 3, collective: ``local`` writes this rank's files and returns
         ``{"files": records, ...}`` (a failure on any rank fails the save on every rank, nothing
         committed); then rank 0 commits the manifest ``manifest_of(every rank's report)``."""
-        reports = coll.each(local, f"{self.url} (writing the shards)", saving=True)
+        # Only rank 0 receives the reports (each rank sends its own records, O(1) per rank).
+        reports = coll.gather(local, f"{self.url} (writing the shards)", saving=True)
         faults.point("save.after_gather")
         coll.on_rank0(lambda: self.finalize([r["files"] for r in reports], manifest_of(reports), keep=keep).step)
 

@@ -302,9 +302,12 @@ class Coordinator:
         # the copy alone. The rank's state file is written with the shards, never gathered.
         moments_later = background and self.adapter.can_fingerprint_staged()
         local: dict[str, Any] = {}
-        parts = self.coll.each(lambda: self._rank_part(local, moments=not moments_later),
-                               f"{commit.url} (counters, RNG and moments)", saving=True)
-        expectation = Expectation.assemble(parts, world_size=self.comm.world_size)
+        # Rank 0 alone receives every rank's part and assembles the expectation (None elsewhere:
+        # only the manifest needs it); each rank sends its own part, O(1) per rank.
+        expectation = self.coll.gather(lambda: self._rank_part(local, moments=not moments_later),
+                                       f"{commit.url} (counters, RNG and moments)", saving=True,
+                                       combine=lambda parts: Expectation.assemble(
+                                           parts, world_size=self.comm.world_size))
         state = TrainState.from_dict(self.state.to_dict())  # a background commit comes later
         if background:
             # Phase 2a, local: a memory copy of the shards; the loop goes on after it.
@@ -352,10 +355,12 @@ class Coordinator:
         local["rank_file"] = (rank_state_name(self.rank), json.dumps(rank_state, allow_nan=False).encode())
         return part
 
-    def _manifest_of(self, step: int, expectation: Expectation, state: TrainState, record: dict, started: float,
-                     *, stall: float | None = None) -> Callable[[list[dict]], Manifest]:
-        """The manifest, once every rank reported (a fingerprint taken from a staged copy comes then)."""
+    def _manifest_of(self, step: int, expectation: Expectation | None, state: TrainState, record: dict,
+                     started: float, *, stall: float | None = None) -> Callable[[list[dict]], Manifest]:
+        """The manifest, once every rank reported (a fingerprint taken from a staged copy comes
+        then); built on rank 0 only, the one that has the ``expectation``."""
         def build(reports: list[dict]) -> Manifest:
+            assert expectation is not None, "the manifest is built on rank 0"
             if expectation.optimizer[0] is None:
                 expectation.optimizer = [r["optimizer"] for r in reports]
             timing = {"save_s": round(self.clock() - started, 3),

@@ -24,7 +24,7 @@ from typing import Any
 
 from .adapter import Adapter
 from .changes import AcceptChanges, Change, check_structure, refuse, schedule_changes, setting_changes
-from .collective import Collective
+from .collective import Collective, concat
 from .commit import rank_state_name
 from .config import CoordinatorConfig
 from .continuity import Expectation, compare, compare_config
@@ -179,8 +179,9 @@ class Restorer:
         step_dir = self.run.dirname(manifest.step)
         code_settings = self.adapter.snapshot_settings() if accepted else None
         saved_world = int(manifest.topology.get("world_size", 1))
-        rank_state = self.coll.each(lambda: self._read_rank_state(manifest, saved_world),
-                                    f"restore of {step_dir}")[self.coll.rank]
+        # Each rank keeps its own state file; only the outcome is agreed on (O(1) per rank).
+        rank_state = self.coll.agree(lambda: self._read_rank_state(manifest, saved_world),
+                                     f"restore of {step_dir}")
         self.adapter.load_shards(self.run.storage, step_dir)
 
         def load_local() -> None:
@@ -192,7 +193,7 @@ class Restorer:
             if accepted:
                 self.adapter.apply_changes([c.item for c in accepted], code_settings)
         # A refusal on one rank (a loader state it cannot take) is raised on every rank.
-        self.coll.each(load_local, f"restore of {step_dir}")
+        self.coll.agree(load_local, f"restore of {step_dir}")
         self.prepared = self._rank_state = None
 
     def _check_settings(self, expected: Expectation, declared_schedule: list[dict]) -> list[Change]:
@@ -236,8 +237,8 @@ class Restorer:
             except (CorruptCheckpointError, ManifestError) as e:
                 return [str(e)]
             return []
-        found = self.coll.each(check, f"rank state check of {self.run.dirname(manifest.step)}")
-        return [problem for problems in found for problem in problems]
+        return self.coll.gather(check, f"rank state check of {self.run.dirname(manifest.step)}",
+                                combine=concat, everywhere=True)
 
 
 def read_rank_state(run: Run, manifest: Manifest, rel: str) -> dict:
@@ -327,9 +328,9 @@ def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
             finally:  # the reads' error first, else the other's
                 problems = pending.result()
         return problems
-    found = coll.each(verify if alongside is None else verify_beside,
-                      "checksum verification")
-    return [problem for problems in found for problem in problems]
+    # Only the problems travel (rank 0 gathers them, every rank gets the list back).
+    return coll.gather(verify if alongside is None else verify_beside, "checksum verification",
+                       combine=concat, everywhere=True)
 
 
 @contextlib.contextmanager

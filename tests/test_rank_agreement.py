@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from resume.collective import Collective, Failure, agreed_error, rebuild
+from resume.collective import Collective, Failure, agreed_error, concat, rebuild
 from resume.errors import (
     ContinuityError,
     CorruptCheckpointError,
@@ -29,8 +29,13 @@ class ScriptedComm:
     def all_gather_object(self, obj):
         return [obj if r == self.rank else self.others[r] for r in range(self.world_size)]
 
+    def gather_object(self, obj, dst=0):
+        self.gathered = True
+        return self.all_gather_object(obj) if self.rank == dst else None
+
     def broadcast_object(self, obj, src=0):
-        return obj if self.rank == 0 else self.from_rank0
+        self.broadcast = obj if self.rank == 0 else self.from_rank0
+        return self.broadcast
 
 
 def failure_report(error: BaseException, rank: int) -> tuple:
@@ -131,3 +136,45 @@ def test_a_foreign_error_on_every_rank_keeps_its_class_name_the_phase_and_the_st
     assert message.startswith("/run/step-000000003 (shards): save failed on every rank (2): ")
     assert "AttributeError: 'FusedQKVLinear' object has no attribute 'wq'" in message
     assert raised.value.__cause__ is original
+
+
+def test_gather_gives_rank0_the_combined_values_and_the_others_none():
+    comm = ScriptedComm(0, 3, others={1: ("ok", 10), 2: ("ok", 20)})
+    assert Collective(comm).gather(lambda: 0, "parts", combine=sum) == 30
+    assert comm.broadcast == ("ok", None)  # what the other ranks receive: no values
+    other = ScriptedComm(2, 3, from_rank0=("ok", None))
+    assert Collective(other).gather(lambda: 20, "parts", combine=sum) is None
+
+
+def test_gather_in_a_save_raises_one_ranks_failure_on_every_rank():
+    error = StorageError("shard-2: write: No space left on device")
+    comm = ScriptedComm(0, 3, others={1: ("ok", 1), 2: failure_report(error, 2)})
+    with pytest.raises(SaveFailedError, match="1 of 3 ranks.*rank 2: StorageError: shard-2"):
+        Collective(comm).gather(lambda: 0, "step-7 (writing the shards)", saving=True)
+    failures = comm.broadcast[1]
+    other = ScriptedComm(1, 3, from_rank0=("failed", failures, 3))
+    with pytest.raises(SaveFailedError, match="rank 2: StorageError"):
+        Collective(other).gather(lambda: 1, "step-7 (writing the shards)", saving=True)
+
+
+def test_an_error_in_rank0s_combine_is_raised_on_every_rank():
+    comm = ScriptedComm(0, 2, others={1: ("ok", {"batch": None})})
+    with pytest.raises(SaveFailedError, match="rank 0: KeyError"):
+        Collective(comm).gather(dict, "counters", saving=True, combine=lambda parts: parts[0]["batch"])
+    other = ScriptedComm(1, 2, from_rank0=comm.broadcast)
+    with pytest.raises(SaveFailedError, match="rank 0: KeyError"):
+        Collective(other).gather(dict, "counters", saving=True, combine=lambda parts: parts[0]["batch"])
+
+
+def test_gather_everywhere_and_agree():
+    comm = ScriptedComm(0, 2, others={1: ("ok", ["b"])})
+    assert Collective(comm).gather(lambda: ["a"], "problems", combine=concat, everywhere=True) == ["a", "b"]
+    assert Collective(ScriptedComm(1, 2, from_rank0=comm.broadcast)).gather(
+        lambda: ["b"], "problems", combine=concat, everywhere=True) == ["a", "b"]
+    # agree: each rank keeps its own value; rank 0 receives outcomes only.
+    comm = ScriptedComm(0, 2, others={1: ("ok", None)})
+    assert Collective(comm).agree(lambda: {"mine": 0}, "rank state") == {"mine": 0}
+    error = CorruptCheckpointError("rank-1.json: rng: expected a state, actual 7")
+    comm = ScriptedComm(0, 2, others={1: failure_report(error, 1)})
+    with pytest.raises(CorruptCheckpointError, match="rank-1.json"):
+        Collective(comm).agree(lambda: {"mine": 0}, "rank state")

@@ -1,0 +1,848 @@
+"""What a save and a restore cost the control plane at N ranks, simulated in one process.
+
+    python benchmarks/scale.py [--ranks 8,64,640,5120] [--tensors-per-rank 1000] [--saves 4]
+                               [--unpickle-cap-mb 64] [--dir DIR] [--json]
+
+Layout for N ranks: TP = min(8, N), PP = min(8, N / TP), DP = the rest (5,120 = TP8 x PP8 x DP80,
+the reference); 24 samples per data-parallel rank per global batch (global batch 24 x DP).
+
+What runs for real, and what is synthesized
+-------------------------------------------
+Rank 0 runs the library's own code, unchanged: a ``Coordinator`` over a ``NativeTorchAdapter``
+(AdamW, ``LambdaLR``, ``GlobalPositionSampler`` + ``StatefulLoader``; a model of
+``--tensors-per-rank`` / 4 parameters named like Megatron's, each of 4 elements), on local
+storage. ``coord.save()`` is the real save: ``StepCommit`` (prepare, write, finalize),
+``Collective`` over the ``Comm`` it is given, ``Expectation.assemble``, the manifest
+(``Manifest.to_json`` / ``Run.write_manifest``), ``LATEST``, retention (``Run.apply_retention``,
+``keep=3``). ``coord.restore()`` is the real restore: discovery (``Run.find_latest``: the
+commit check of every listed file), checksum verification of the rank's share, the rank state,
+DCP's metadata, the load and the continuity check.
+
+The ``Comm`` is ``SimComm``: N ranks inside this process. Its collectives deliver what torch's
+would, and count the bytes each rank would receive (the pickle size of every part a rank gets
+from another one). What the other N - 1 ranks contribute is synthesized from rank 0's part, in
+the same structure and of the same size the real code produces on them (``synthesize``): each
+rank's RNG digest and optimizer fingerprint (other values), its data-parallel rank's 24 sample
+ids and digests (TP and PP peers describe the same samples, as a Megatron-style loader gives
+them), its file records (``rank-<r>.json`` and ``__<r>_0.distcp``: hard links to rank 0's, so
+that the commit check, discovery and retention stat and list 2N + 1 files as they would). A
+part of any other shape is delivered as rank 0's, unchanged. The time spent synthesizing and
+pickling the other ranks' parts (their work, done in parallel) is not rank 0's and is
+subtracted; unpickling every part a collective delivers to rank 0 is its work and is counted.
+
+The restore is run three times: on rank 0 (recording what it broadcasts) and on two other ranks
+(1 and N - 1) that replay rank 0's broadcasts, each on a ``Comm`` whose gathered parts are the
+ones rank 0 saw. Every file each of them opens for reading is recorded (a Python audit hook on
+``open``), so "readers per file" comes from the code as it is: a path both replayed ranks open
+counts as opened by every rank but 0, a path only one of them opens as opened by one rank each.
+Shard files (``*.distcp``) are bulk I/O and reported apart; everything else is counted at its
+whole size per open (the files are small and read whole).
+
+DCP's own part is synthetic: local save plans shaped like the reference layout's shards (per
+rank: P = tensors/4 model tensors of 1536 x 20480 bf16, TP-sharded and replicated over DP, and
+3P optimizer tensors (fp32 param, exp_avg, exp_avg_sq), flat and sharded over TP x DP, as
+Megatron-Core's ``fully_sharded_model_space`` distributed optimizer gives them), passed to the
+real ``DefaultSavePlanner(enable_plan_caching=True).create_global_plan`` twice: the first call
+has no cache (the same work as with caching off: dedup, global plan, validation), the second
+gets the unchanged ranks' empty plans, as cached local planners send them. Its metadata and
+synthetic write results go through the real ``FileSystemWriter.finish`` (our
+``dcp_io.make_writer``), which writes ``.metadata``; that file is read back with our
+``dcp_safe.restricted_load_metadata`` (bounded by the shard sizes) and with plain
+``pickle.loads``. Above ``--unpickle-cap-mb`` the restricted unpickle is not run: its time is
+extrapolated from the largest measured size at the same seconds per byte (``"extrapolated"``).
+The restore's reads of ``.metadata`` are counted at this synthetic file's size (the file on disk
+is rank 0's tiny one).
+
+What is not simulated: network latency and bandwidth (bytes are counted, not timed), storage
+latency at scale (the local disk answers), other ranks' own CPU time (parallel to rank 0's).
+
+The last line with ``--json`` is one JSON object; ``ranks`` maps each N (a string) to its
+figures, ``growth`` gives the ratios from the second-largest to the largest N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from bench_common import quiet
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+from resume.adapters.dcp_io import make_writer
+from resume.adapters.dcp_safe import restricted_load_metadata
+from resume.adapters.torch_native import NativeTorchAdapter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from resume import Coordinator
+from resume.storage import LocalStorage, open_storage
+
+DEFAULT_RANKS = (8, 64, 640, 5120)
+SAMPLES_PER_DP_RANK = 24
+"""Micro-batch 1, 24 micro-batches per data-parallel rank (the reference)."""
+LAYER_TENSORS = ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                 "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+ROWS, COLS = 1536, 20480
+"""One model tensor's shard per TP rank: 31.5M elements (500B parameters / 64 / 250 tensors)."""
+_SHARD = re.compile(r"__(\d+)_(\d+)\.distcp$")
+_RANK_FILE = re.compile(r"rank-(\d{5,})\.json$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    ranks: int
+    tp: int
+    pp: int
+    dp: int
+
+    @classmethod
+    def of(cls, ranks: int) -> Layout:
+        tp = min(8, ranks)
+        pp = max(1, min(8, ranks // tp))
+        if ranks % (tp * pp):
+            raise ValueError(f"--ranks: expected multiples of 64 above 64 (TP8 x PP8 x DP), actual {ranks}")
+        return cls(ranks, tp, pp, ranks // (tp * pp))
+
+    def dp_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.dp  # Megatron's default order: TP fastest, then DP, then PP
+
+    def describe(self) -> str:
+        return f"TP{self.tp} x PP{self.pp} x DP{self.dp}"
+
+
+# -- the simulated Comm ---------------------------------------------------------------------------
+
+def _salt(text: str, rank: int) -> str:
+    """Another value of the same length and alphabet (a digest of another rank)."""
+    prefix, _, body = text.rpartition(":")
+    h = hashlib.blake2b(f"{rank}/{body}".encode(), digest_size=32).hexdigest()
+    return (prefix + ":" if prefix else "") + (h * (len(body) // 64 + 1))[:len(body)]
+
+
+class Synthesizer:
+    """Rank ``r``'s part of a collective, from rank 0's: same structure, same size, its own values."""
+
+    def __init__(self, layout: Layout, run_dir: str) -> None:
+        self.layout = layout
+        self.run_dir = run_dir
+        self.seconds = 0.0
+
+    def __call__(self, obj: Any, rank: int) -> Any:
+        if rank == 0:
+            return obj
+        return self._part(obj, rank)
+
+    def _part(self, obj: Any, rank: int) -> Any:
+        if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "ok" and isinstance(obj[1], dict):
+            return ("ok", self._dict(obj[1], rank))
+        if isinstance(obj, dict):
+            return self._dict(obj, rank)
+        return obj
+
+    def _dict(self, part: dict, rank: int) -> dict:
+        out = dict(part)
+        if isinstance(part.get("rng"), str):
+            out["rng"] = _salt(part["rng"], rank)
+        if part.get("optimizer") is not None:
+            out["optimizer"] = _shift_ints(part["optimizer"], rank)
+        if isinstance(part.get("batch"), list):
+            shift = self.layout.dp_rank(rank) * SAMPLES_PER_DP_RANK
+            out["batch"] = [(int(i) + shift, _salt(d, self.layout.dp_rank(rank))) for i, d in part["batch"]]
+        if isinstance(part.get("files"), dict):
+            out["files"] = self._files(part["files"], rank)
+        return out
+
+    def _files(self, files: dict, rank: int) -> dict:
+        """Rank ``rank``'s records: its own state file and shard (links to rank 0's on disk)."""
+        step_dir = self._newest_step_dir()
+        out = {}
+        for name, record in files.items():
+            renamed = _rank_name(name, rank)
+            if renamed is None:
+                continue  # .metadata and what DCP cannot attribute: rank 0's alone
+            out[renamed] = record
+            if step_dir is not None:
+                target = os.path.join(step_dir, renamed)
+                if not os.path.exists(target):
+                    os.link(os.path.join(step_dir, name), target)
+        return out
+
+    def _newest_step_dir(self) -> str | None:
+        steps = sorted(n for n in os.listdir(self.run_dir) if n.startswith("step-"))
+        return os.path.join(self.run_dir, steps[-1]) if steps else None
+
+
+def _rank_name(name: str, rank: int) -> str | None:
+    if _RANK_FILE.fullmatch(name):
+        return f"rank-{rank:05d}.json"
+    m = _SHARD.fullmatch(name)
+    if m:
+        return f"__{rank}_{m.group(2)}.distcp"
+    return None
+
+
+def _shift_ints(value: Any, by: int) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value + by
+    if isinstance(value, dict):
+        return {k: _shift_ints(v, by) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shift_ints(v, by) for v in value]
+    return value
+
+
+@dataclass
+class Traffic:
+    """Bytes the collectives delivered: to rank 0, and to the busiest other rank (a bound: the
+    sum over collectives of each one's busiest receiver)."""
+
+    rank0: int = 0
+    other_max: int = 0
+    collectives: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, rank0: int, other_max: int) -> None:
+        self.rank0 += rank0
+        self.other_max += other_max
+        self.collectives[kind] = self.collectives.get(kind, 0) + 1
+
+
+class SimComm:
+    """``resume.comm.Comm`` for rank ``rank`` of ``world_size`` ranks in this process.
+
+    Every other rank's part is ``synthesize(own part, r)``; rank 0's broadcasts are recorded
+    (``record``) or, on another rank, replayed in order (``replay``). ``traffic`` counts the
+    bytes each collective delivers; ``excluded_s`` is the time spent making and pickling the
+    other ranks' parts (their work, not this rank's)."""
+
+    def __init__(self, world_size: int, synthesize: Callable[[Any, int], Any], *, rank: int = 0,
+                 replay: list[Any] | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.synthesize = synthesize
+        self.replay = list(replay) if replay is not None else None
+        self.record: list[Any] = []
+        self.traffic = Traffic()
+        self.excluded_s = 0.0
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if src != 0:
+            raise NotImplementedError("SimComm: broadcasts from rank 0 only (all the library makes)")
+        if self.rank != 0:
+            if not self.replay:
+                raise RuntimeError("SimComm: rank 0 broadcast less than this rank expects")
+            obj = self.replay.pop(0)
+        size = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.record.append(obj)
+        self.traffic.add("broadcast", 0, size)
+        return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _parts(self, obj: Any) -> tuple[list[bytes], int]:
+        started = time.perf_counter()
+        # On another rank, its own part stands for rank 0's: every rank's part is made from it
+        # as on rank 0, so the gathered list is the one rank 0 saw.
+        blobs = [pickle.dumps(self.synthesize(obj, r), protocol=pickle.HIGHEST_PROTOCOL)
+                 for r in range(self.world_size)]
+        self.excluded_s += time.perf_counter() - started
+        return blobs, sum(map(len, blobs))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        blobs, total = self._parts(obj)
+        self.traffic.add("all_gather", total - len(blobs[0]), total - min(map(len, blobs[1:]), default=total))
+        return [pickle.loads(b) for b in blobs]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if dst != 0:
+            raise NotImplementedError("SimComm: gathers to rank 0 only")
+        if self.rank != 0:
+            self.traffic.add("gather", 0, 0)
+            return None
+        blobs, total = self._parts(obj)
+        self.traffic.add("gather", total - len(blobs[0]), 0)
+        return [pickle.loads(b) for b in blobs]
+
+    def max_flags(self, flags: list[int]) -> list[int]:
+        return [int(f) for f in flags]  # every rank agrees with rank 0 (no request, no signal)
+
+    def fork(self) -> SimComm:
+        return self
+
+
+# -- rank 0's training state: real objects, the reference's names, tiny tensors -----------------
+
+def _model(tensors: int) -> torch.nn.Module:
+    root = torch.nn.Module()
+    g = torch.Generator().manual_seed(1)
+    for j in range(tensors):
+        path = f"decoder.layers.{j // len(LAYER_TENSORS)}.{LAYER_TENSORS[j % len(LAYER_TENSORS)]}".split(".")
+        module = root
+        for part in path[:-1]:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(path[-1], torch.nn.Parameter(torch.randn(4, generator=g)))
+    return root
+
+
+class Samples:
+    def __init__(self, n: int) -> None:
+        self.x = torch.arange(n, dtype=torch.float32).unsqueeze(1) / n
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i]}
+
+
+@dataclass
+class Trainer:
+    coord: Coordinator
+    comm: SimComm
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    sched: Any
+    adapter: NativeTorchAdapter
+
+    def step(self) -> None:
+        for batch in self.coord.batches():
+            loss = sum(p.sum() for p in self.model.parameters()) * batch["x"].mean()
+            self.optim.zero_grad()
+            loss.backward()
+            self.optim.step()
+            self.sched.step()
+            self.coord.update()
+            return
+
+
+def build_trainer(layout: Layout, run_dir: str, comm: SimComm, tensors: int) -> Trainer:
+    torch.manual_seed(0)
+    model = _model(max(1, tensors // 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 100))
+    global_batch = SAMPLES_PER_DP_RANK * layout.dp
+    # Data-parallel rank 0's slice on every simulated rank: a replayed rank's own part stands
+    # for rank 0's (its state file is a link to rank 0's), the others are made from it.
+    sampler = GlobalPositionSampler(global_batch * 50, global_batch, rank=0, world_size=layout.dp)
+    loader = StatefulLoader(Samples(global_batch * 50), sampler)
+    adapter = NativeTorchAdapter(model, optim, sched, loader, comm=comm)
+    coord = Coordinator(run_dir, adapter, global_batch=global_batch, every=0, keep=3, handle_signals=False)
+    return Trainer(coord, comm, model, optim, sched, adapter)
+
+
+@contextlib.contextmanager
+def timing(obj: Any, name: str, into: list[float]) -> Any:
+    """``obj.name`` timed, each call's seconds appended to ``into`` (the instance's own attribute)."""
+    original = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - started)
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            delattr(obj, name)
+
+
+# -- reads, as the code makes them --------------------------------------------------------------
+
+class OpenLog:
+    """Files opened for reading under ``root`` while ``watching``: through the run's storage
+    (``LocalStorage``'s reading primitives, which open relative to a directory descriptor), and
+    anything else (DCP's reader) seen by a Python audit hook on ``open`` with the full path."""
+
+    def __init__(self) -> None:
+        self.root: str | None = None
+        self.paths: list[str] = []
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if event != "open" or self.root is None:
+            return
+        path, mode, flags = args
+        if isinstance(path, int | bytes) or path is None:
+            return
+        reading = ("r" in mode and "+" not in mode) if isinstance(mode, str) else (flags & os.O_ACCMODE) == os.O_RDONLY
+        path = os.fspath(path)
+        if reading and path.startswith(self.root) and not os.path.isdir(path):
+            self.paths.append(os.path.relpath(path, self.root))
+
+    @contextlib.contextmanager
+    def watching(self, root: str) -> Any:
+        self.root, self.paths = root, []
+        originals = {name: getattr(LocalStorage, name) for name in ("read_bytes", "open_read", "get_file")}
+
+        def recording(name: str) -> Callable:
+            def read(storage: LocalStorage, path: str, *args: Any, **kwargs: Any) -> Any:
+                if self.root is not None:
+                    full = os.path.join(storage.root, path)
+                    if full.startswith(self.root):
+                        self.paths.append(os.path.relpath(full, self.root))
+                return originals[name](storage, path, *args, **kwargs)
+            return read
+        for name in originals:
+            setattr(LocalStorage, name, recording(name))
+        try:
+            yield self.paths
+        finally:
+            self.root = None
+            for name, fn in originals.items():
+                setattr(LocalStorage, name, fn)
+
+
+_OPEN_LOG: OpenLog | None = None
+
+
+def open_log() -> OpenLog:
+    global _OPEN_LOG
+    if _OPEN_LOG is None:
+        _OPEN_LOG = OpenLog()
+    return _OPEN_LOG
+
+
+def _generic(path: str, rank: int) -> str:
+    """A rank's own file named for any rank (so two ranks' reads of their own files compare)."""
+    path = re.sub(rf"rank-0*{rank}\.json$", "rank-<r>.json", path) if rank else path
+    return re.sub(rf"__{rank}_(\d+)\.distcp$", r"__<r>_\1.distcp", path) if rank else path
+
+
+# -- the control plane: saves and a restore through the real Coordinator -------------------------
+
+def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_bytes: int) -> dict:
+    run_dir = os.path.join(root, f"run-{layout.ranks}")
+    synth = Synthesizer(layout, run_dir)
+    comm = SimComm(layout.ranks, synth)
+    t = build_trainer(layout, run_dir, comm, tensors)
+    save_s, shard_s, manifest_s, retention_s, per_save = [], [], [], [], []
+    with timing(t.adapter, "save_shards", shard_s), timing(t.coord.run, "write_manifest", manifest_s), \
+            timing(t.coord.run, "apply_retention", retention_s):
+        for _ in range(saves):
+            t.step()
+            before_traffic, before_excluded, before_shards = (comm.traffic.rank0, comm.traffic.other_max), \
+                comm.excluded_s, sum(shard_s)
+            started = time.perf_counter()
+            t.coord.save()
+            wall = time.perf_counter() - started
+            save_s.append(wall - (comm.excluded_s - before_excluded) - (sum(shard_s) - before_shards))
+            per_save.append((comm.traffic.rank0 - before_traffic[0], comm.traffic.other_max - before_traffic[1]))
+    t.coord.close()
+    step = t.coord.last_committed_step
+    step_dir = os.path.join(run_dir, t.coord.run.dirname(step))
+    manifest_path = os.path.join(step_dir, "manifest.json")
+    manifest_bytes = os.path.getsize(manifest_path)
+    storage = open_storage(run_dir)
+    from resume.run import Run
+
+    run = Run(storage)
+    parse_s = min(_time(lambda: run.read_manifest(step)) for _ in range(3))
+    find_s = min(_time(lambda: run.find_latest()) for _ in range(2))
+    last = -1  # the last save: retention found something to delete once keep is reached
+    figures = {
+        "layout": layout.describe(),
+        "bytes_per_rank_per_save": per_save[last][1],
+        "rank0_bytes_per_save": per_save[last][0],
+        "rank0_save_s": save_s[last],
+        "rank0_save_parts_s": {"manifest_write": manifest_s[last], "retention": retention_s[last],
+                               "gather_and_rest": save_s[last] - manifest_s[last] - retention_s[last]},
+        "collectives_per_save": {k: v // saves for k, v in comm.traffic.collectives.items()},
+        "manifest_bytes": manifest_bytes,
+        "manifest_files": len(run.read_manifest(step).files),
+        "manifest_parse_s": parse_s,
+        "find_latest_s": find_s,
+    }
+    figures.update(restore(layout, run_dir, tensors, step_dir, metadata_bytes))
+    return figures
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def restore(layout: Layout, run_dir: str, tensors: int, step_dir: str, metadata_bytes: int) -> dict:
+    """The real restore on rank 0, then on two other ranks replaying rank 0's broadcasts."""
+    log = open_log()
+    synth = Synthesizer(layout, run_dir)
+    comm0 = SimComm(layout.ranks, synth)
+    with log.watching(run_dir + os.sep) as opened0:
+        t0 = build_trainer(layout, run_dir, comm0, tensors)
+        started = time.perf_counter()
+        t0.coord.restore()
+        restore_s = time.perf_counter() - started - comm0.excluded_s
+        t0.coord.close()
+    reads = {0: list(opened0)}
+    traffic = {}
+    # The .metadata on disk is rank 0's tiny one: where a broadcast carries it, the reference
+    # layout's is counted instead.
+    with open(os.path.join(step_dir, ".metadata"), "rb") as f:
+        tiny = f.read()
+    carried = sum(_carries(obj, tiny) for obj in comm0.record)
+    others = sorted({1, layout.ranks - 1} - {0})
+    for r in others:
+        comm = SimComm(layout.ranks, synth, rank=r, replay=comm0.record)
+        with log.watching(run_dir + os.sep) as opened:
+            t = build_trainer(layout, run_dir, comm, tensors)
+            t.coord.restore()
+            t.coord.close()
+        reads[r] = [_generic(p, r) for p in opened]
+        traffic[r] = comm.traffic.other_max
+    return readers_and_bytes(layout, step_dir, run_dir, reads, others, metadata_bytes) | {
+        "rank0_restore_s": restore_s,
+        "restore_bytes_received_per_rank": max(traffic.values(), default=0)
+        + carried * (metadata_bytes - len(tiny)),
+        "restore_broadcasts_of_metadata": carried,
+    }
+
+
+def _carries(obj: Any, data: bytes) -> int:
+    if isinstance(obj, bytes):
+        return int(obj == data)
+    if isinstance(obj, tuple | list):
+        return sum(_carries(o, data) for o in obj)
+    return 0
+
+
+def readers_and_bytes(layout: Layout, step_dir: str, run_dir: str, reads: dict[int, list[str]],
+                      others: list[int], metadata_bytes: int) -> dict:
+    """Ranks reading each file at restore, and bytes read from shared storage (every open reads
+    the whole file; shards apart: bulk I/O)."""
+    readers: dict[str, int] = {}
+    opens: dict[str, int] = {}
+
+    def add(path: str, ranks: int, count: int) -> None:
+        readers[path] = readers.get(path, 0) + ranks
+        opens[path] = opens.get(path, 0) + ranks * count
+
+    for p in set(reads.get(0, [])):
+        add(p, 1, reads[0].count(p))
+    if others:
+        seen = [set(reads[r]) for r in others]
+        common = set.intersection(*seen)
+        for p in set.union(*seen):
+            count = max(reads[r].count(p) for r in others)
+            if "<r>" in p:  # each rank's own file: one reader each
+                for r in range(1, layout.ranks):
+                    add(p.replace("<r>", str(r) if "distcp" in p else f"{r:05d}"), 1, count)
+            else:  # read by every other rank when both replayed ranks read it, else by one
+                add(p, layout.ranks - 1 if p in common else 1, count)
+    metadata_rel = os.path.relpath(os.path.join(step_dir, ".metadata"), run_dir)
+
+    def size(p: str) -> int:
+        if p == metadata_rel:
+            return metadata_bytes
+        full = os.path.join(run_dir, p)
+        return os.path.getsize(full) if os.path.exists(full) else 0
+
+    control = [p for p in readers if not _SHARD.search(p)]
+    bytes_by_file = {p: opens[p] * size(p) for p in control}
+    busiest = max(bytes_by_file, key=bytes_by_file.get) if bytes_by_file else ""
+    most_read = sorted(control, key=lambda p: (-readers[p], p))[:5]
+    return {
+        "restore_bytes_read": sum(bytes_by_file.values()),
+        "busiest_file": _generic_name(busiest),
+        "busiest_file_bytes": bytes_by_file.get(busiest, 0),
+        "max_readers_per_file": max((readers[p] for p in control), default=0),
+        "most_read_files": [{"file": _generic_name(p), "readers": readers[p], "opens": opens[p],
+                             "bytes": bytes_by_file[p]} for p in most_read],
+        "files_opened_by_rank0": len(reads.get(0, [])),
+    }
+
+
+def _generic_name(path: str) -> str:
+    return re.sub(r"step-\d+", "step-N", path)
+
+
+# -- DCP: global planning and .metadata for the reference layout's shards -----------------------
+
+def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
+    """Every rank's local save plan: model tensors TP-sharded (the same items on every DP
+    replica, which DCP de-duplicates), optimizer states flat and sharded over TP x DP."""
+    per_rank = max(1, tensors // 4)
+    bf16, f32 = TensorProperties(dtype=torch.bfloat16), TensorProperties(dtype=torch.float32)
+    model_size, model_chunk = torch.Size([layout.tp * ROWS, COLS]), torch.Size([ROWS, COLS])
+    flat = ROWS * COLS
+    if flat % layout.dp:
+        raise ValueError(f"DP {layout.dp}: expected a divisor of {flat}")
+    shard = flat // layout.dp
+    opt_size, opt_chunk = torch.Size([layout.tp * flat]), torch.Size([shard])
+    plans = [None] * layout.ranks
+    for pp in range(layout.pp):
+        layer0 = pp * (per_rank // len(LAYER_TENSORS) + 1)
+        names = [f"decoder.layers.{layer0 + j // len(LAYER_TENSORS)}.{LAYER_TENSORS[j % len(LAYER_TENSORS)]}"
+                 for j in range(per_rank)]
+        for tp in range(layout.tp):
+            offset = torch.Size([tp * ROWS, 0])
+            model = [WriteItem(index=MetadataIndex(f"model.{n}", offset), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offset, model_chunk),
+                                                           properties=bf16, size=model_size)) for n in names]
+            for dp in range(layout.dp):
+                items = list(model)  # replicated over DP: equal items on every replica
+                offset = torch.Size([tp * flat + dp * shard])
+                chunk = ChunkStorageMetadata(offset, opt_chunk)
+                data = TensorWriteData(chunk=chunk, properties=f32, size=opt_size)
+                for n in names:
+                    for kind in ("fp32_param", "exp_avg", "exp_avg_sq"):
+                        items.append(WriteItem(index=MetadataIndex(f"optimizer.state.{kind}.{n}", offset),
+                                               type=WriteItemType.SHARD, tensor_data=data))
+                rank = tp + layout.tp * (dp + layout.dp * pp)
+                plans[rank] = SavePlan(items)
+    return plans  # type: ignore[return-value]
+
+
+def _clear_plan_cache() -> None:
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
+
+
+def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
+    started = time.perf_counter()
+    plans = local_plans(layout, tensors)
+    build_s = time.perf_counter() - started
+    local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
+    _clear_plan_cache()
+    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=True)
+    with quiet():
+        started = time.perf_counter()
+        global_plan, metadata = planner.create_global_plan(plans)
+        plan_s = time.perf_counter() - started
+        unchanged = [SavePlan([], usable=False)] * layout.ranks
+        started = time.perf_counter()
+        delta, _ = planner.create_global_plan(unchanged)
+        cached_s = time.perf_counter() - started
+    global_bytes = max(len(pickle.dumps(global_plan[r], protocol=pickle.HIGHEST_PROTOCOL))
+                       for r in sorted({0, layout.ranks - 1}))
+    cached_bytes = len(pickle.dumps(delta[-1], protocol=pickle.HIGHEST_PROTOCOL))
+    items = sum(len(p.items) for p in global_plan)
+    metadata_path, shard_sizes = write_metadata(layout, root, global_plan, metadata)
+    del plans, global_plan, delta, metadata, planner
+    _clear_plan_cache()
+    gc.collect()
+    return {
+        "dcp_plans_build_s": build_s,
+        "dcp_plan_s": plan_s,
+        "dcp_plan_cached_s": cached_s,
+        "dcp_items_written": items,
+        "dcp_local_plan_bytes": local_bytes,
+        "dcp_plan_bytes_per_rank": global_bytes,
+        "dcp_plan_bytes_per_rank_cached": cached_bytes,
+        "metadata_path": metadata_path,
+        "shard_sizes": shard_sizes,
+    }
+
+
+def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metadata: Any) -> tuple[str, dict]:
+    """``.metadata`` as DCP's own ``FileSystemWriter.finish`` writes it, from write results
+    shaped like each rank's (one file per rank, items back to back)."""
+    step_dir = f"dcp-{layout.ranks}"
+    storage = open_storage(root)
+    storage.makedirs(step_dir)
+    results, sizes = [], {}
+    for rank, plan in enumerate(global_plan):
+        name, offset, out = f"__{rank}_0.distcp", 0, []
+        for item in plan.items:
+            length = item.tensor_storage_size() or 1
+            out.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(name, offset, length)))
+            offset += length
+        results.append(out)
+        sizes[name] = offset
+    writer = make_writer(storage, step_dir, durable=False)
+    writer.finish(metadata, results)
+    return os.path.join(root, step_dir, ".metadata"), sizes
+
+
+def metadata_figures(path: str, sizes: dict, cap_mb: float, rate: list[float]) -> dict:
+    with open(path, "rb") as f:
+        data = f.read()
+    plain_s = _time(lambda: pickle.loads(data))
+    out = {"metadata_bytes": len(data), "metadata_plain_unpickle_s": plain_s}
+    if len(data) <= cap_mb * (1 << 20):
+        out["metadata_unpickle_s"] = _time(lambda: restricted_load_metadata(
+            data, source=path, file_sizes={**sizes, ".metadata": len(data)}))
+        out["metadata_unpickle"] = "measured"
+        rate.append(out["metadata_unpickle_s"] / len(data))
+    else:
+        # Seconds per byte of the largest size measured in this run (none yet: not measured).
+        out["metadata_unpickle_s"] = rate[-1] * len(data) if rate else None
+        out["metadata_unpickle"] = "extrapolated" if rate else "not measured (raise --unpickle-cap-mb)"
+    os.unlink(path)
+    return out
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+def measure(ranks: int, root: str, args: argparse.Namespace, rate: list[float]) -> dict:
+    layout = Layout.of(ranks)
+    started = time.perf_counter()
+    dcp = dcp_figures(layout, args.tensors_per_rank, root)
+    meta = metadata_figures(dcp.pop("metadata_path"), dcp.pop("shard_sizes"), args.unpickle_cap_mb, rate)
+    gc.collect()
+    figures = control_plane(layout, root, args.tensors_per_rank, args.saves, meta["metadata_bytes"])
+    shutil.rmtree(os.path.join(root, f"run-{ranks}"), ignore_errors=True)
+    figures.update(meta)
+    figures.update(dcp)
+    # DCP's own save sends every rank its global plan (an empty one when cached) and, at the
+    # end, the whole Metadata (``_DistWrapper.all_reduce``: gather, then broadcast).
+    figures["dcp_bytes_per_rank_per_save"] = dcp["dcp_plan_bytes_per_rank"] + meta["metadata_bytes"]
+    figures["dcp_bytes_per_rank_per_save_cached"] = dcp["dcp_plan_bytes_per_rank_cached"] + meta["metadata_bytes"]
+    figures["elapsed_s"] = time.perf_counter() - started
+    return figures
+
+
+GROWTH_KEYS = ("bytes_per_rank_per_save", "rank0_bytes_per_save", "rank0_save_s", "manifest_bytes",
+               "manifest_parse_s", "metadata_bytes", "metadata_unpickle_s", "restore_bytes_read",
+               "busiest_file_bytes", "max_readers_per_file", "dcp_plan_s", "dcp_plan_cached_s",
+               "restore_bytes_received_per_rank", "dcp_bytes_per_rank_per_save")
+
+
+def growth(results: dict[str, dict]) -> dict:
+    keys = sorted(results, key=int)
+    if len(keys) < 2:
+        return {}
+    a, b = results[keys[-2]], results[keys[-1]]
+    ratio = {k: (b[k] / a[k] if a.get(k) and b.get(k) is not None else None) for k in GROWTH_KEYS}
+    return {"from": int(keys[-2]), "to": int(keys[-1]), "ranks": int(keys[-1]) / int(keys[-2]), "ratio": ratio}
+
+
+def _si(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+ROWS_PRINTED = [
+    ("layout", "layout", str),
+    ("bytes received per rank per save (busiest non-0 rank)", "bytes_per_rank_per_save", _si),
+    ("bytes received by rank 0 per save", "rank0_bytes_per_save", _si),
+    ("rank 0 control-plane time per save (s)", "rank0_save_s", lambda v: f"{v:.3f}"),
+    ("  of which manifest write (s)", ("rank0_save_parts_s", "manifest_write"), lambda v: f"{v:.3f}"),
+    ("  of which retention (s)", ("rank0_save_parts_s", "retention"), lambda v: f"{v:.3f}"),
+    ("  of which gather, commit and the rest (s)", ("rank0_save_parts_s", "gather_and_rest"), lambda v: f"{v:.3f}"),
+    ("manifest size", "manifest_bytes", _si),
+    ("manifest parse (s)", "manifest_parse_s", lambda v: f"{v:.3f}"),
+    ("discovery, Run.find_latest (s)", "find_latest_s", lambda v: f"{v:.3f}"),
+    (".metadata size", "metadata_bytes", _si),
+    (".metadata restricted unpickle (s)", "metadata_unpickle_s", lambda v: "n/a" if v is None else f"{v:.2f}"),
+    ("  measured or extrapolated", "metadata_unpickle", str),
+    (".metadata plain pickle.loads (s)", "metadata_plain_unpickle_s", lambda v: f"{v:.2f}"),
+    ("restore: bytes read from shared storage (no shards)", "restore_bytes_read", _si),
+    ("restore: busiest file", "busiest_file", str),
+    ("restore: bytes read from the busiest file", "busiest_file_bytes", _si),
+    ("restore: max readers per file", "max_readers_per_file", str),
+    ("restore: bytes received per rank (collectives)", "restore_bytes_received_per_rank", _si),
+    ("rank 0 restore time, no shard I/O to speak of (s)", "rank0_restore_s", lambda v: f"{v:.2f}"),
+    ("DCP global plan, no cache (s)", "dcp_plan_s", lambda v: f"{v:.2f}"),
+    ("DCP global plan, cached (s)", "dcp_plan_cached_s", lambda v: f"{v:.4f}"),
+    ("DCP items written (after de-dup)", "dcp_items_written", str),
+    ("DCP bytes per rank per save (plan + metadata)", "dcp_bytes_per_rank_per_save", _si),
+    ("DCP bytes per rank per save, cached plan", "dcp_bytes_per_rank_per_save_cached", _si),
+]
+
+
+def print_table(results: dict[str, dict]) -> None:
+    keys = sorted(results, key=int)
+    print("| N | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for label, key, fmt in ROWS_PRINTED:
+        cells = []
+        for k in keys:
+            v = results[k][key[0]][key[1]] if isinstance(key, tuple) else results[k].get(key)
+            cells.append(fmt(v))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)),
+                        help="comma-separated rank counts (default: 8,64,640,5120)")
+    parser.add_argument("--tensors-per-rank", type=int, default=1000,
+                        help="sharded tensors each rank writes (1/4 model, 3/4 optimizer state)")
+    parser.add_argument("--saves", type=int, default=4, help="saves per N (retention deletes from the 4th)")
+    parser.add_argument("--unpickle-cap-mb", type=float, default=64.0,
+                        help="largest .metadata unpickled by the restricted unpickler; above, extrapolated")
+    parser.add_argument("--dir", default=None, help="where the simulated runs live (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    args = parser.parse_args()
+    try:
+        ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
+        for n in ranks:
+            Layout.of(n)
+    except ValueError as e:
+        parser.error(f"--ranks: {e}")
+    if args.saves < 1 or args.tensors_per_rank < 4:
+        parser.error("--saves: expected >= 1; --tensors-per-rank: expected >= 4")
+    logging.getLogger("resume").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="resume-scale-", dir=args.dir)
+    results: dict[str, dict] = {}
+    rate: list[float] = []
+    try:
+        for n in ranks:
+            results[str(n)] = measure(n, root, args, rate)
+            print(f"N={n}: {results[str(n)]['elapsed_s']:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    elapsed = time.perf_counter() - started
+    print(f"{len(ranks)} sizes, {args.tensors_per_rank} tensors per rank, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {elapsed:.0f} s")
+    print_table(results)
+    g = growth(results)
+    if g:
+        print(f"\ngrowth {g['from']} -> {g['to']} ranks (x{g['ranks']:g}): " + ", ".join(
+            f"{k} x{v:.2f}" for k, v in g["ratio"].items() if v is not None))
+    if args.json:
+        print(json.dumps({"ranks": results, "growth": g, "tensors_per_rank": args.tensors_per_rank,
+                          "saves": args.saves, "elapsed_s": elapsed,
+                          "machine": {"cores": os.cpu_count(), "torch": torch.__version__,
+                                      "python": platform.python_version()}}))
+
+
+if __name__ == "__main__":
+    main()
