@@ -236,30 +236,6 @@ class CheckResult:
                 [self.framework.reason] if self.framework.status == "uncommitted" else [])
 
 
-class _Sizes:
-    """File sizes of a step directory, one listing per directory (a checkpoint of 5,120 ranks
-    has over 10,000 files: one stat each made the commit check, and retention with it, slow).
-    A name the listing does not show as a regular file is asked for alone: ``size`` raises
-    what it is (missing, a link, a FIFO, a directory)."""
-
-    def __init__(self, storage: Storage, step_dir: str) -> None:
-        self.storage = storage
-        self.step_dir = step_dir
-        self._listed: dict[str, dict[str, int] | None] = {}
-
-    def size(self, rel: str) -> int:
-        parent, _, name = rel.rpartition("/")
-        if parent not in self._listed:
-            try:
-                self._listed[parent] = self.storage.sizes(join(self.step_dir, parent) if parent else self.step_dir)
-            except (OSError, ValueError, AttributeError):  # asked one by one below: the error is the file's
-                self._listed[parent] = None
-        known = self._listed[parent]
-        if known is not None and name in known:
-            return known[name]
-        return self.storage.size(join(self.step_dir, rel))
-
-
 class Run:
     """One training run's home."""
 
@@ -347,12 +323,11 @@ class Run:
             self._unreadable_manifest(result, e)
             return result
         result.problems.extend(self._counter_problems(result.manifest))
-        listed = _Sizes(self.storage, self.dirname(step))
         for rel, entry in sorted(result.manifest.files.items()):
             path = self.step_path(step, rel)
             source = self.storage.url(path)
             try:
-                size = listed.size(rel)
+                size = self.storage.size(path)
             except FileNotFoundError:
                 result.problems.append(f"{source}: expected a file of {entry.size} bytes, actual missing")
                 continue
