@@ -345,7 +345,12 @@ def _framework_counters(run: Run, counters: dict | None) -> str:
     """``; megatron: consumed_train_samples 24, skipped_train_samples 4`` (empty without)."""
     if not counters:
         return ""
-    return f"; {run.layout.name}: " + ", ".join(f"{k} {_shown(v)}" for k, v in counters.items())
+    return f"; {run.layout.name}: " + _counter_list(counters)
+
+
+def _counter_list(counters: dict) -> str:
+    """``consumed_train_samples 24, skipped_train_samples ?``."""
+    return ", ".join(f"{k} {_shown(v)}" for k, v in counters.items())
 
 
 def _latest_problems(run: Run, results: list[CheckResult]) -> tuple[list[str], list[str]]:
@@ -457,7 +462,7 @@ def ls_command(run_url: str, as_json: bool) -> int:
         if s.get("unknown"):
             click.echo(f"{'':>10}  updates unknown: {s['unknown']}")
         if entry["framework_counters"]:
-            counters = ", ".join(f"{k} {_shown(v)}" for k, v in entry["framework_counters"].items())
+            counters = _counter_list(entry["framework_counters"])
             click.echo(f"{'':>10}  {run.layout.name}: {counters}")
         if r.status in ("broken", "uncommitted"):
             click.echo(f"{'':>10}  {r.reason}")
@@ -545,7 +550,7 @@ def _print_manifest(run: Run, manifest: Manifest, e: dict[str, Any]) -> None:
                f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
     framework = run.layout.framework_counters(run, CheckResult(step=manifest.step, manifest=manifest))
     if framework:
-        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {_shown(v)}" for k, v in framework.items()))
+        click.echo(f"  {run.layout.name:<13} " + _counter_list(framework))
     click.echo(f"  config        {json.dumps(manifest.config, sort_keys=True)}")
     click.echo(f"  topology      {json.dumps(manifest.topology, sort_keys=True)}")
     click.echo(f"  user          {json.dumps(manifest.user, sort_keys=True) if manifest.user else 'none'}")
@@ -588,7 +593,7 @@ def _print_framework_save(run: Run, r: CheckResult, as_json: bool) -> None:
     else:
         click.echo("  counters      unknown (the framework's state cannot be read)")
     if f.framework_counters:
-        click.echo(f"  {run.layout.name:<13} " + ", ".join(f"{k} {_shown(v)}" for k, v in f.framework_counters.items()))
+        click.echo(f"  {run.layout.name:<13} " + _counter_list(f.framework_counters))
     if f.checked:
         click.echo(f"  checked       {f.checked}")
 
