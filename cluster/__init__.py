@@ -18,6 +18,9 @@ read them and pass facts in. Import the module you need:
   data-parallel sizes, for ``resume plan``;
 - ``simulate``: failures, checkpoint stalls and restarts of a long run, for the
   best checkpoint interval and the number of spares (``resume simulate``).
+- ``reference``: the reference run's save stall and restart times, each figure
+  measured, assumed or computed and saying which (``resume simulate --reference``;
+  ``simulate``'s defaults).
 """
 
 __all__: list[str] = []

@@ -8,7 +8,9 @@ is free, otherwise (as the hook does) a relaunch on fewer replicas, slower
 until the job's next requeue brings full size back, or, with
 ``no_spare='requeue'``, a requeue (queue wait + restart). Failed nodes come back
 after a repair time and refill the spare pool. Training alternates
-``interval`` seconds of work with a checkpoint stall of ``stall`` seconds.
+``interval`` seconds of work with a checkpoint stall of ``stall`` seconds. The
+stall and restart times default to the reference run's figures
+(``reference.simulate_defaults``), each with its source.
 
 Goodput = useful training time / wall time. The checkpoint interval that
 maximises it is searched on a grid (the same failures for every candidate, so
@@ -25,12 +27,18 @@ from dataclasses import asdict, dataclass, field, replace
 
 from resume.errors import UsageError
 
+from .reference import simulate_defaults
+
 __all__ = ["Assumptions", "SimResult", "best_interval", "plan_spares", "simulate", "young_daly"]
 
 DAY = 86400.0
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 GPUs.
 LLAMA3_FAILURES_PER_GPU_SECOND = 419 / (54 * DAY * 16384)
+
+# The reference run's stall and restart times (cluster/reference.py: measured control plane,
+# assumed file system bandwidth and start-up, computed sums), not guessed constants.
+REFERENCE_TIMES = {name: figure.value for name, figure in simulate_defaults().items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,12 +56,15 @@ class Assumptions:
     """'exponential' or 'weibull' times between failures of a node."""
     weibull_shape: float = 0.7
     """Weibull shape k (< 1: infant mortality, failures cluster after a replacement)."""
-    stall_s: float = 30.0
-    """Training time lost to each checkpoint (the blocking part of a save)."""
-    restart_spare_s: float = 600.0
-    """Detect, relaunch on a spare inside the allocation, load the checkpoint."""
-    restart_requeue_s: float = 1800.0
-    """No spare free: requeue excluding the bad node, wait in the queue, load."""
+    stall_s: float = REFERENCE_TIMES["stall_s"]
+    """Training time lost to each checkpoint (the blocking part of a save); default: the
+    reference run's asynchronous save (cluster/reference.py)."""
+    restart_spare_s: float = REFERENCE_TIMES["restart_spare_s"]
+    """Detect, relaunch on a spare inside the allocation, load the checkpoint; default: the
+    reference run's (cluster/reference.py)."""
+    restart_requeue_s: float = REFERENCE_TIMES["restart_requeue_s"]
+    """No spare free: requeue excluding the bad node, wait in the queue, load; default: the
+    reference run's (cluster/reference.py)."""
     repair_s: float = 3 * DAY
     """Until a failed node is back (it then joins the spare pool)."""
     no_spare: str = "shrink"

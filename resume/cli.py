@@ -26,6 +26,7 @@ import click
 # The adapters' run layouts register themselves at import (cheap: no framework is imported),
 # so that every command here detects a framework's own save directory (Megatron-LM's --save).
 from .adapters import megatron_ckpt  # noqa: F401
+from .cluster.reference import DEFAULT_INPUTS
 from .errors import (
     EXIT_NOTHING,
     EXIT_OK,
@@ -683,10 +684,27 @@ def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int,
 @click.option("--distribution", type=click.Choice(["exponential", "weibull"]), default="exponential",
               show_default=True)
 @click.option("--weibull-shape", type=float, default=0.7, show_default=True)
-@click.option("--stall-s", type=float, default=30.0, show_default=True,
-              help="Training time lost to each checkpoint.")
-@click.option("--restart-spare-s", type=float, default=600.0, show_default=True)
-@click.option("--restart-requeue-s", type=float, default=1800.0, show_default=True)
+@click.option("--stall-s", type=float, default=None,
+              help="Training time lost to each checkpoint [default: the reference run's save stall, "
+                   "computed (--reference)].")
+@click.option("--restart-spare-s", type=float, default=None,
+              help="Detect, relaunch on a spare, restore [default: the reference run's, computed].")
+@click.option("--restart-requeue-s", type=float, default=None,
+              help="Requeue, wait in the queue, start, restore [default: the reference run's, computed].")
+@click.option("--fs-bandwidth-gbs", type=float, default=DEFAULT_INPUTS.fs_bandwidth_gbs, show_default=True,
+              help="Shared file system bandwidth, aggregate, GB/s (assumed): the reference run's bulk "
+                   "write and read times.")
+@click.option("--d2h-gbs", type=float, default=DEFAULT_INPUTS.d2h_gbs, show_default=True,
+              help="Device-to-host copy bandwidth per GPU, GB/s (assumed): the asynchronous save's "
+                   "staging copy.")
+@click.option("--queue-wait-s", type=float, default=DEFAULT_INPUTS.queue_wait_s, show_default=True,
+              help="Wait in the queue after a requeue (assumed): the restart after a requeue.")
+@click.option("--save", "save_mode", type=click.Choice(["async", "sync"]), default=DEFAULT_INPUTS.save,
+              show_default=True, help="Whose stall is the default --stall-s: an asynchronous or a "
+                                      "synchronous save's.")
+@click.option("--reference", is_flag=True,
+              help="Print the reference run's figures (measured, assumed, computed, each with its "
+                   "source) at these inputs, and simulate nothing.")
 @click.option("--repair-hours", type=float, default=72.0, show_default=True)
 @click.option("--no-spare", type=click.Choice(["shrink", "requeue"]), default="shrink",
               show_default=True, help="With no spare free: run on fewer replicas until the next "
@@ -700,25 +718,46 @@ def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int,
 @json_option
 @command
 def simulate(nodes: int, spares: int, node_mtbf_hours: float | None, distribution: str,
-             weibull_shape: float, stall_s: float, restart_spare_s: float, restart_requeue_s: float,
-             repair_hours: float, no_spare: str, shrink_factor: float, time_limit_hours: float,
-             days: float, seed: int, as_json: bool) -> int:
-    """Simulate failures of a long run: goodput, work lost, best checkpoint interval, spares."""
+             weibull_shape: float, stall_s: float | None, restart_spare_s: float | None,
+             restart_requeue_s: float | None, fs_bandwidth_gbs: float, d2h_gbs: float,
+             queue_wait_s: float, save_mode: str, reference: bool, repair_hours: float, no_spare: str,
+             shrink_factor: float, time_limit_hours: float, days: float, seed: int, as_json: bool) -> int:
+    """Simulate failures of a long run: goodput, work lost, best checkpoint interval, spares.
+
+    The stall and restart times default to the reference run's (640 nodes, 500B parameters):
+    its measured control plane, the assumed inputs below, and their sums; the output says
+    where each came from. --reference prints every figure with its source.
+    """
+    from .cluster.reference import Inputs, figures, markdown_table, simulate_defaults
     from .cluster.simulate import Assumptions, report
 
+    inputs = Inputs(fs_bandwidth_gbs=fs_bandwidth_gbs, d2h_gbs=d2h_gbs, queue_wait_s=queue_wait_s,
+                    save=save_mode)
+    if reference:
+        figs = figures(inputs)
+        if as_json:
+            _emit_json({key: fig.to_dict() for key, fig in figs.items()})
+        else:
+            click.echo(markdown_table(figs))
+        return EXIT_OK
+    given = {"stall_s": stall_s, "restart_spare_s": restart_spare_s, "restart_requeue_s": restart_requeue_s}
+    computed = simulate_defaults(inputs)
+    times = {name: computed[name].value if value is None else value for name, value in given.items()}
+    sources = {name: computed[name].source if value is None else "given" for name, value in given.items()}
     kwargs = {} if node_mtbf_hours is None else {"node_mtbf_s": node_mtbf_hours * 3600}
     a = Assumptions(nodes=nodes, spares=spares, distribution=distribution, weibull_shape=weibull_shape,
-                    stall_s=stall_s, restart_spare_s=restart_spare_s,
-                    restart_requeue_s=restart_requeue_s, repair_s=repair_hours * 3600,
-                    no_spare=no_spare, shrink_factor=shrink_factor,
-                    requeue_every_s=time_limit_hours * 3600, days=days, seed=seed, **kwargs)
-    r = report(a)
+                    repair_s=repair_hours * 3600, no_spare=no_spare, shrink_factor=shrink_factor,
+                    requeue_every_s=time_limit_hours * 3600, days=days, seed=seed, **times, **kwargs)
+    r = {**report(a), "sources": sources}
     if as_json:
         _emit_json(r)
         return EXIT_OK
     click.echo("assumptions:")
     for key, value in r["assumptions"].items():
         click.echo(f"  {key:<18} {value:.6g}" if isinstance(value, float) else f"  {key:<18} {value}")
+    click.echo("where the stall and restart times came from (resume simulate --reference):")
+    for key, source in sources.items():
+        click.echo(f"  {key:<18} {source}")
     click.echo(f"  {'job MTBF':<18} {r['system_mtbf_s'] / 3600:.2f} h ({nodes} nodes)")
     click.echo(f"result over {days:g} days ({r['failures']} failures on average):")
     click.echo(f"  goodput            {r['goodput']:.4f}")

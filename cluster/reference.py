@@ -1,0 +1,319 @@
+"""The reference run's save and restart costs, each figure with where it came from.
+
+The reference run: a 500B-parameter model on 640 nodes x 8 GPUs = 5,120 ranks,
+TP8 x PP8 x DP80 (``layout.REFERENCE``), Megatron-Core, bf16 weights with fp32
+master weights and AdamW moments in a distributed optimizer. It cannot run here,
+so its figures come in three kinds, and every ``Figure`` says which in its
+``source``:
+
+- ``measured``: the control plane's own costs at 5,120 ranks, from
+  ``benchmarks/scale.py`` (rank 0's real code, the other ranks synthesized in
+  one process; ``MEASURED`` below, the one place to update after a new run);
+- ``assumed``: what cannot be measured on this machine (the shared file system,
+  GPUs, a 640-node Slurm queue), each with its reasoning; the first three are
+  inputs (``Inputs``) that ``resume simulate`` takes as options;
+- ``computed``: arithmetic over the two, with the formula in the source.
+
+What a checkpoint stall and a restart are made of here must stay true to the
+code. The save modelled is the ``Coordinator``'s over DCP (``NativeTorchAdapter``
+with Megatron-shaped shards, as benchmarks/scale.py runs it; Megatron-LM's own
+``--async-save``, adapters/megatron_async.py, is not). An asynchronous save
+(``Coordinator(..., async_save=True)``) blocks the loop for rank 0's gather and
+assembly of every rank's part and for the staging copy; DCP's global planning,
+the shard write, DCP's ``.metadata`` broadcast, the manifest and retention run
+in the background (resume/coordinator.py, ``_save_step``). A synchronous save
+blocks for all of it. A restore checksums every file before loading it
+(``verify_on_restore``, on by default), so the shards are read twice.
+
+``resume simulate --reference`` prints the table (README.md and
+runbooks/slurm.md carry it; tests/test_reference_figures.py checks they match).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from resume.errors import UsageError
+
+from .layout import REFERENCE
+
+__all__ = ["DEFAULT_INPUTS", "MEASURED", "Figure", "Inputs", "Measured", "figures", "markdown_table",
+           "simulate_defaults"]
+
+PARAMETERS = 500e9
+"""The reference model's parameters."""
+CHECKPOINT_BYTES_PER_PARAMETER = 2 + 4 + 4 + 4
+"""bf16 weights (2) + fp32 master weights (4) + AdamW exp_avg (4) + exp_avg_sq (4)."""
+MODEL_BYTES_PER_PARAMETER = 2
+"""The bf16 weights: every data-parallel replica holds its TP x PP shard of them."""
+OPTIMIZER_BYTES_PER_PARAMETER = CHECKPOINT_BYTES_PER_PARAMETER - MODEL_BYTES_PER_PARAMETER
+"""fp32 master weights and both moments: the distributed optimizer shards them over DP too."""
+GB = 1e9
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One number of the reference run and where it came from."""
+
+    value: float
+    unit: str
+    source: str
+    """Starts with ``measured:``, ``computed:`` or ``assumed:``, then what a reader can check."""
+
+    def shown(self) -> str:
+        return f"{_number(self.value)} {self.unit}"
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "unit": self.unit, "source": self.source}
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+# -- measured: update these after a new run of benchmarks/scale.py ------------------------------
+
+MEASURED_BY = ("python benchmarks/scale.py --ranks 640,5120 --json (2-core VM, torch 2.13.0+cpu), "
+               "at 5,120 ranks")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    """The control plane's figures at 5,120 ranks (the keys of scale.py's JSON in brackets)."""
+
+    save_control_plane_s: float
+    """Rank 0's time per save: gather and assembly, manifest write, retention (rank0_save_s)."""
+    manifest_parse_s: float
+    """One manifest read and parsed (manifest_parse_s)."""
+    discovery_s: float
+    """``Run.find_latest``: the commit check of every listed file (find_latest_s)."""
+    restore_control_plane_s: float
+    """Rank 0's restore without the shard I/O: discovery, manifest, checksums of its share, rank
+    state, the load of tiny shards, the continuity check (rank0_restore_s)."""
+    metadata_mib: float
+    """DCP's ``.metadata`` for the reference layout (metadata_bytes)."""
+    metadata_unpickle_s: float
+    """Plain ``pickle.loads`` of that ``.metadata`` (metadata_plain_unpickle_s)."""
+    dcp_plan_s: float
+    """DCP's global save plan, no plan cache (dcp_plan_s)."""
+    dcp_plan_cached_s: float
+    """The same with DCP's plan cache, unchanged plans (dcp_plan_cached_s)."""
+    restore_received_mib: float
+    """Bytes each rank receives at restore, mostly the ``.metadata`` broadcast
+    (restore_bytes_received_per_rank)."""
+
+
+MEASURED = Measured(save_control_plane_s=2.53, manifest_parse_s=0.045, discovery_s=0.24,
+                    restore_control_plane_s=1.65, metadata_mib=612.7, metadata_unpickle_s=21.7,
+                    dcp_plan_s=54.7, dcp_plan_cached_s=0.0002, restore_received_mib=620.7)
+
+
+# -- assumed: the inputs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inputs:
+    """What cannot be measured here and moves the figures most; ``resume simulate`` options."""
+
+    fs_bandwidth_gbs: float = 100.0
+    """Shared file system bandwidth, aggregate over the job, GB/s (``--fs-bandwidth-gbs``)."""
+    d2h_gbs: float = 10.0
+    """Device-to-host copy bandwidth per GPU into pageable host memory, GB/s (``--d2h-gbs``)."""
+    queue_wait_s: float = 600.0
+    """After a requeue, until Slurm has 640 healthy nodes for the job again (``--queue-wait-s``)."""
+    save: str = "async"
+    """Which save's stall ``resume simulate`` uses: 'async' or 'sync' (``--save``)."""
+
+    def __post_init__(self) -> None:
+        if self.save not in ("async", "sync"):
+            raise UsageError(f"simulate: save: expected 'async' or 'sync', actual {self.save!r}")
+        for name in ("fs_bandwidth_gbs", "d2h_gbs"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise UsageError(f"simulate: {name}: expected a finite number > 0, actual {value}")
+        if not (math.isfinite(self.queue_wait_s) and self.queue_wait_s >= 0):
+            raise UsageError(f"simulate: queue_wait_s: expected a finite number >= 0, actual {self.queue_wait_s}")
+
+
+DEFAULT_INPUTS = Inputs()
+
+
+def _input_sources(i: Inputs) -> dict[str, Figure]:
+    default = DEFAULT_INPUTS
+
+    def given_or(name: str, reason: str) -> str:
+        if getattr(i, name) == getattr(default, name):
+            return f"assumed: {reason}"
+        return f"given: --{name.replace('_', '-')}"
+
+    return {
+        "fs_bandwidth": Figure(i.fs_bandwidth_gbs, "GB/s", given_or(
+            "fs_bandwidth_gbs", "a parallel file system's aggregate bandwidth for one 640-node job, "
+            "not measured (this VM's disk writes about 0.6 GB/s); set --fs-bandwidth-gbs")),
+        "d2h": Figure(i.d2h_gbs, "GB/s", given_or(
+            "d2h_gbs", "per GPU, into pageable host memory as the staging copy makes it (PCIe Gen5 "
+            "x16 carries 64 GB/s; pageable copies reach a fraction of it); no GPU here to measure; "
+            "set --d2h-gbs")),
+        "queue_wait": Figure(i.queue_wait_s, "s", given_or(
+            "queue_wait_s", "until 640 healthy nodes are free for the requeued job: none on a "
+            "reservation with nodes to spare, hours on a busy shared cluster; set --queue-wait-s")),
+    }
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+LABELS = {
+    "fs_bandwidth": "input: shared file system bandwidth (aggregate)",
+    "d2h": "input: device-to-host copy bandwidth per GPU",
+    "queue_wait": "input: queue wait after a requeue",
+    "checkpoint": "checkpoint size",
+    "staged_per_rank": "bytes each rank stages (asynchronous save)",
+    "save_control_plane": "rank 0 control plane per save",
+    "discovery": "discovery (`Run.find_latest`)",
+    "manifest_parse": "manifest parse",
+    "restore_control_plane": "rank 0 restore without shard I/O",
+    "metadata": "DCP `.metadata` size",
+    "metadata_unpickle": "`.metadata` unpickle, every rank",
+    "dcp_plan": "DCP global save plan, no cache",
+    "dcp_plan_cached": "DCP global save plan, cached",
+    "restore_received": "bytes each rank receives at restore",
+    "bulk_write": "bulk write of the shards",
+    "staging": "staging copy (asynchronous save)",
+    "stall_sync": "save stall, synchronous",
+    "stall_async": "save stall, asynchronous",
+    "async_background": "asynchronous save's background work",
+    "bulk_read": "bulk read at restore (checksums, then load)",
+    "dcp_load_plan": "DCP load planning",
+    "detect": "failure detected, step ended",
+    "process_start": "processes started, model and optimizer built",
+    "dist_init": "`torch.distributed` initialized",
+    "requeue_hold": "requeue hold",
+    "scheduling": "Slurm scheduling pass",
+    "restart_spare": "restart on a spare, to first iteration",
+    "restart_requeue": "restart after a requeue, to first iteration",
+}
+"""Every figure's row in the table, in order."""
+
+
+def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> dict[str, Figure]:
+    """Every figure of the reference run at these inputs, in the table's order (``LABELS``)."""
+    m, i, ref = measured, inputs, REFERENCE
+    f = _input_sources(i)
+    by = f"measured: {MEASURED_BY},"
+
+    # Phase 1, sizes: the whole checkpoint, and what one rank holds and stages.
+    checkpoint_b = PARAMETERS * CHECKPOINT_BYTES_PER_PARAMETER
+    f["checkpoint"] = Figure(checkpoint_b / 1e12, "TB", (
+        f"computed: {PARAMETERS / 1e9:.0f}e9 parameters x (2 bf16 weights + 4 fp32 master + "
+        f"4 exp_avg + 4 exp_avg_sq) bytes"))
+    model_shard = PARAMETERS * MODEL_BYTES_PER_PARAMETER / (ref.tp * ref.pp)
+    optimizer_shard = PARAMETERS * OPTIMIZER_BYTES_PER_PARAMETER / ref.world_size
+    f["staged_per_rank"] = Figure((model_shard + optimizer_shard) / GB, "GB", (
+        f"computed: its TP{ref.tp} x PP{ref.pp} shard of the bf16 weights ({model_shard / GB:.3g} GB, "
+        f"held by every replica) + its 1/{ref.world_size:,} of the optimizer state "
+        f"({optimizer_shard / GB:.3g} GB); the staging copy takes the rank's whole state"))
+
+    # Phase 2, measured control plane.
+    f["save_control_plane"] = Figure(m.save_control_plane_s, "s", f"{by} rank0_save_s")
+    f["discovery"] = Figure(m.discovery_s, "s", f"{by} find_latest_s (part of the restore below)")
+    f["manifest_parse"] = Figure(m.manifest_parse_s, "s", f"{by} manifest_parse_s (part of the restore below)")
+    f["restore_control_plane"] = Figure(m.restore_control_plane_s, "s", (
+        f"{by} rank0_restore_s (discovery, manifest, rank state, checksums and load of tiny "
+        f"shards, continuity check; .metadata at its tiny size)"))
+    f["metadata"] = Figure(m.metadata_mib, "MiB", f"{by} metadata_bytes")
+    f["metadata_unpickle"] = Figure(m.metadata_unpickle_s, "s", (
+        f"{by} metadata_plain_unpickle_s (plain pickle.loads, as torch's broadcast of it at a "
+        f"save; the restricted unpickler a restore uses is slower: a lower bound there)"))
+    f["dcp_plan"] = Figure(m.dcp_plan_s, "s", f"{by} dcp_plan_s (plan caching is not turned on)")
+    f["dcp_plan_cached"] = Figure(m.dcp_plan_cached_s, "s", f"{by} dcp_plan_cached_s (not used below)")
+    f["restore_received"] = Figure(m.restore_received_mib, "MiB", (
+        f"{by} restore_bytes_received_per_rank (its transfer time is not counted)"))
+
+    # Phase 3, the save: what the loop waits for, synchronous and asynchronous.
+    write_s = checkpoint_b / (i.fs_bandwidth_gbs * GB)
+    f["bulk_write"] = Figure(write_s, "s", (
+        f"computed: {_number(checkpoint_b / 1e12)} TB / {_number(i.fs_bandwidth_gbs)} GB/s, "
+        f"each byte written once (DCP deduplicates the replicas' weights)"))
+    staging_s = (model_shard + optimizer_shard) / (i.d2h_gbs * GB)
+    f["staging"] = Figure(staging_s, "s", (
+        f"computed: {f['staged_per_rank'].shown()} / {_number(i.d2h_gbs)} GB/s, every GPU at once"))
+    sync_s = m.save_control_plane_s + m.dcp_plan_s + write_s + m.metadata_unpickle_s
+    f["stall_sync"] = Figure(sync_s, "s", (
+        f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan {_number(m.dcp_plan_s)} "
+        f"+ bulk write {_number(write_s)} + .metadata unpickle {_number(m.metadata_unpickle_s)} s"))
+    async_s = m.save_control_plane_s + staging_s
+    f["stall_async"] = Figure(async_s, "s", (
+        f"computed: control plane {_number(m.save_control_plane_s)} + staging copy {_number(staging_s)} s "
+        f"(an upper bound: the manifest write and retention, part of the control plane, run in the "
+        f"background; Megatron-LM's own --async-save is not modelled)"))
+    background_s = m.dcp_plan_s + write_s + m.metadata_unpickle_s + m.save_control_plane_s
+    f["async_background"] = Figure(background_s, "s", (
+        f"computed: DCP plan {_number(m.dcp_plan_s)} + bulk write {_number(write_s)} + .metadata "
+        f"unpickle {_number(m.metadata_unpickle_s)} + control plane {_number(m.save_control_plane_s)} s; "
+        f"the asynchronous stall holds while the checkpoint interval is longer than this"))
+
+    # Phase 4, a restart: detection, a fresh job's start, the restore.
+    read_s = 2 * checkpoint_b / (i.fs_bandwidth_gbs * GB)
+    f["bulk_read"] = Figure(read_s, "s", (
+        f"computed: 2 x {_number(checkpoint_b / 1e12)} TB / {_number(i.fs_bandwidth_gbs)} GB/s "
+        f"(verify_on_restore reads every file for its checksum, then the load reads it; each byte "
+        f"loaded once, as Megatron's --ckpt-fully-parallel-load does, not once per replica)"))
+    f["dcp_load_plan"] = Figure(m.dcp_plan_s, "s", (
+        "assumed: the save plan's uncached time as a stand-in, not measured (the load planner "
+        "does no deduplication: likely an upper bound)"))
+    f["detect"] = Figure(60.0, "s", (
+        "assumed: a crashed process ends the step at once (srun --kill-on-bad-exit=1), a silent "
+        "node after Slurm's SlurmdTimeout (300 s by default) or the collective timeout; not "
+        "measured at scale"))
+    f["process_start"] = Figure(60.0, "s", (
+        "assumed: srun starts 5,120 processes that import torch and Megatron-Core from the shared "
+        "file system and build the model and optimizer; not measured at scale"))
+    f["dist_init"] = Figure(60.0, "s", (
+        "assumed: the TCPStore rendezvous of 5,120 ranks and the NCCL communicators of the TP, "
+        "PP and DP groups; not measured at scale"))
+    f["requeue_hold"] = Figure(120.0, "s", (
+        "assumed: Slurm's default cred_expire (120 s) holds a requeued job; the loopback Slurm "
+        "of tests/support/slurm_cluster.sh (cred_expire=5, the minimum) took about 6-7 s per "
+        "requeue cycle"))
+    f["scheduling"] = Figure(60.0, "s", (
+        "assumed: the top of the 30-60 s a requeued, eligible job waited on the loopback Slurm "
+        "with the default scheduler intervals (tests/support/slurm_cluster.sh sets "
+        "sched_interval=2 to avoid it)"))
+    restore_s = m.restore_control_plane_s + m.metadata_unpickle_s + m.dcp_plan_s + read_s
+    start_s = f["detect"].value + f["process_start"].value + f["dist_init"].value
+    spare_s = start_s + restore_s
+    f["restart_spare"] = Figure(spare_s, "s", (
+        f"computed: detection {_number(f['detect'].value)} + process start "
+        f"{_number(f['process_start'].value)} + torch.distributed init {_number(f['dist_init'].value)} "
+        f"+ restore control plane {_number(m.restore_control_plane_s)} + .metadata unpickle "
+        f"{_number(m.metadata_unpickle_s)} + DCP load planning {_number(m.dcp_plan_s)} + bulk read "
+        f"{_number(read_s)} s (the hook relaunches inside the allocation: no requeue)"))
+    slurm_s = f["requeue_hold"].value + f["scheduling"].value + i.queue_wait_s
+    f["restart_requeue"] = Figure(spare_s + slurm_s, "s", (
+        f"computed: requeue hold {_number(f['requeue_hold'].value)} + scheduling pass "
+        f"{_number(f['scheduling'].value)} + queue wait {_number(i.queue_wait_s)} + the restart on a "
+        f"spare {_number(spare_s)} s"))
+    return {key: f[key] for key in LABELS}
+
+
+def simulate_defaults(inputs: Inputs = DEFAULT_INPUTS) -> dict[str, Figure]:
+    """``resume simulate``'s stall and restart defaults: ``stall_s``, ``restart_spare_s``,
+    ``restart_requeue_s``."""
+    f = figures(inputs)
+    return {"stall_s": f["stall_async" if inputs.save == "async" else "stall_sync"],
+            "restart_spare_s": f["restart_spare"], "restart_requeue_s": f["restart_requeue"]}
+
+
+def markdown_table(figs: dict[str, Figure]) -> str:
+    """The table README.md and runbooks/slurm.md carry (``resume simulate --reference``); the
+    benchmark run behind every measured row is named once, under it."""
+    rows = ["| figure | value | source |", "|---|---:|---|"]
+    rows += [f"| {LABELS[key]} | {fig.shown()} | {fig.source.replace(MEASURED_BY, 'scale run')} |"
+             for key, fig in figs.items()]
+    rows += ["", f"scale run: `{MEASURED_BY}`; keys of its JSON output."]
+    return "\n".join(rows)
+
