@@ -1,6 +1,6 @@
 """What a save and a restore cost the control plane at N ranks, simulated in one process.
 
-    python benchmarks/scale.py [--ranks 8,64,640,5120] [--tensors-per-rank 1000] [--saves 4]
+    python benchmarks/scale.py [--ranks 8,64,640,5120] [--tensors-per-rank 1000] [--saves 6]
                                [--unpickle-cap-mb 64] [--dir DIR] [--json]
 
 Layout for N ranks: TP = min(8, N), PP = min(8, N / TP), DP = the rest (5,120 = TP8 x PP8 x DP80,
@@ -79,7 +79,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 from bench_common import quiet
@@ -107,6 +107,7 @@ from resume.storage import LocalStorage, open_storage
 
 DEFAULT_RANKS = (8, 64, 640, 5120)
 SAMPLES_PER_DP_RANK = 24
+KEEP = 3  # checkpoints retention keeps
 """Micro-batch 1, 24 micro-batches per data-parallel rank (the reference)."""
 LAYER_TENSORS = ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                  "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
@@ -176,8 +177,8 @@ class Synthesizer:
         if part.get("optimizer") is not None:
             out["optimizer"] = _shift_ints(part["optimizer"], rank)
         if isinstance(part.get("batch"), list):
-            shift = self.layout.dp_rank(rank) * SAMPLES_PER_DP_RANK
-            out["batch"] = [(int(i) + shift, _salt(d, self.layout.dp_rank(rank))) for i, d in part["batch"]]
+            dp = self.layout.dp_rank(rank)  # rank 0's TP and PP peers (dp 0) describe its very batch
+            out["batch"] = [(int(i) + dp * SAMPLES_PER_DP_RANK, _salt(d, dp) if dp else d) for i, d in part["batch"]]
         if isinstance(part.get("files"), dict):
             out["files"] = self._files(part["files"], rank)
         return out
@@ -360,7 +361,7 @@ def build_trainer(layout: Layout, run_dir: str, comm: SimComm, tensors: int) -> 
     sampler = GlobalPositionSampler(global_batch * 50, global_batch, rank=0, world_size=layout.dp)
     loader = StatefulLoader(Samples(global_batch * 50), sampler)
     adapter = NativeTorchAdapter(model, optim, sched, loader, comm=comm)
-    coord = Coordinator(run_dir, adapter, global_batch=global_batch, every=0, keep=3, handle_signals=False)
+    coord = Coordinator(run_dir, adapter, global_batch=global_batch, every=0, keep=KEEP, handle_signals=False)
     return Trainer(coord, comm, model, optim, sched, adapter)
 
 
@@ -452,17 +453,20 @@ def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_
     synth = Synthesizer(layout, run_dir)
     comm = SimComm(layout.ranks, synth)
     t = build_trainer(layout, run_dir, comm, tensors)
-    save_s, shard_s, manifest_s, retention_s, per_save = [], [], [], [], []
+    save_s, shard_s, manifest_s, retention_s, per_save, gc_s = [], [], [], [], [], []
+    collections = GcClock()
     with timing(t.adapter, "save_shards", shard_s), timing(t.coord.run, "write_manifest", manifest_s), \
-            timing(t.coord.run, "apply_retention", retention_s):
+            timing(t.coord.run, "apply_retention", retention_s), collections:
         for _ in range(saves):
             t.step()
             before_traffic, before_excluded, before_shards = (comm.traffic.rank0, comm.traffic.other_max), \
                 comm.excluded_s, sum(shard_s)
+            collections.seconds = 0.0
             started = time.perf_counter()
             t.coord.save()
             wall = time.perf_counter() - started
             save_s.append(wall - (comm.excluded_s - before_excluded) - (sum(shard_s) - before_shards))
+            gc_s.append(collections.seconds)
             per_save.append((comm.traffic.rank0 - before_traffic[0], comm.traffic.other_max - before_traffic[1]))
     t.coord.close()
     step = t.coord.last_committed_step
@@ -475,14 +479,23 @@ def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_
     run = Run(storage)
     parse_s = min(_time(lambda: run.read_manifest(step)) for _ in range(3))
     find_s = min(_time(lambda: run.find_latest()) for _ in range(2))
-    last = -1  # the last save: retention found something to delete once keep is reached
+    # The saves once keep (3) is reached, when retention deletes one checkpoint at every commit:
+    # their mean (a full garbage collection lands in some saves and not others), and the most.
+    steady = slice(KEEP, None) if saves > KEEP else slice(-1, None)
+
+    def mean(values: list[float]) -> float:
+        return sum(values[steady]) / len(values[steady])
+
     figures = {
         "layout": layout.describe(),
-        "bytes_per_rank_per_save": per_save[last][1],
-        "rank0_bytes_per_save": per_save[last][0],
-        "rank0_save_s": save_s[last],
-        "rank0_save_parts_s": {"manifest_write": manifest_s[last], "retention": retention_s[last],
-                               "gather_and_rest": save_s[last] - manifest_s[last] - retention_s[last]},
+        "bytes_per_rank_per_save": per_save[-1][1],
+        "rank0_bytes_per_save": per_save[-1][0],
+        "rank0_save_s": mean(save_s),
+        "rank0_save_max_s": max(save_s[steady]),
+        "rank0_saves_averaged": len(save_s[steady]),
+        "rank0_save_parts_s": {"manifest_write": mean(manifest_s), "retention": mean(retention_s),
+                               "gather_and_rest": mean(save_s) - mean(manifest_s) - mean(retention_s),
+                               "garbage_collection": mean(gc_s)},
         "collectives_per_save": {k: v // saves for k, v in comm.traffic.collectives.items()},
         "manifest_bytes": manifest_bytes,
         "manifest_files": len(run.read_manifest(step).files),
@@ -491,6 +504,28 @@ def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_
     }
     figures.update(restore(layout, run_dir, tensors, step_dir, metadata_bytes))
     return figures
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran (rank 0's work too, counted in its time;
+    reported apart because a full collection walks every object of the process)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> Self:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _time(fn: Callable[[], Any]) -> float:
@@ -759,9 +794,12 @@ ROWS_PRINTED = [
     ("layout", "layout", str),
     ("bytes received per rank per save (busiest non-0 rank)", "bytes_per_rank_per_save", _si),
     ("bytes received by rank 0 per save", "rank0_bytes_per_save", _si),
-    ("rank 0 control-plane time per save (s)", "rank0_save_s", lambda v: f"{v:.3f}"),
+    ("rank 0 control-plane time per save, mean once retention deletes (s)", "rank0_save_s", lambda v: f"{v:.3f}"),
     ("  of which manifest write (s)", ("rank0_save_parts_s", "manifest_write"), lambda v: f"{v:.3f}"),
     ("  of which retention (s)", ("rank0_save_parts_s", "retention"), lambda v: f"{v:.3f}"),
+    ("  of which garbage collection, anywhere in the save (s)", ("rank0_save_parts_s", "garbage_collection"),
+     lambda v: f"{v:.3f}"),
+    ("rank 0 control-plane time, slowest of those saves (s)", "rank0_save_max_s", lambda v: f"{v:.3f}"),
     ("  of which gather, commit and the rest (s)", ("rank0_save_parts_s", "gather_and_rest"), lambda v: f"{v:.3f}"),
     ("manifest size", "manifest_bytes", _si),
     ("manifest parse (s)", "manifest_parse_s", lambda v: f"{v:.3f}"),
@@ -802,7 +840,9 @@ def main() -> None:
                         help="comma-separated rank counts (default: 8,64,640,5120)")
     parser.add_argument("--tensors-per-rank", type=int, default=1000,
                         help="sharded tensors each rank writes (1/4 model, 3/4 optimizer state)")
-    parser.add_argument("--saves", type=int, default=4, help="saves per N (retention deletes from the 4th)")
+    parser.add_argument("--saves", type=int, default=6,
+                        help="saves per N; rank 0's figures are the mean of those from the 4th on "
+                             "(retention deletes one at each)")
     parser.add_argument("--unpickle-cap-mb", type=float, default=64.0,
                         help="largest .metadata unpickled by the restricted unpickler; above, extrapolated")
     parser.add_argument("--dir", default=None, help="where the simulated runs live (default: a temp dir)")

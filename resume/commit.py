@@ -19,7 +19,7 @@ from typing import Any
 
 from . import faults
 from .checksum import checksum_bytes, checksum_file
-from .collective import Collective
+from .collective import Collective, collector_paused
 from .errors import LeaseLostError, StorageError
 from .lease import Lease
 from .manifest import FileEntry, Manifest
@@ -122,6 +122,10 @@ class StepCommit:
         """Rank 0: the commit point. The files' directory entries are made durable, the lease
         checked, then the manifest is written atomically (with every rank's file records),
         LATEST pointed at it, and retention applied (its failure never fails the commit)."""
+        with collector_paused():
+            return self._finalize(records, manifest, keep=keep)
+
+    def _finalize(self, records: Iterable[dict], manifest: Manifest, *, keep: KeepPolicy | None) -> Manifest:
         for part in records:
             for rel, (size, checksum) in part.items():
                 manifest.files[rel] = FileEntry(size, checksum)
@@ -144,11 +148,16 @@ class StepCommit:
         # Only rank 0 receives the reports (each rank sends its own records, O(1) per rank).
         reports = coll.gather(local, f"{self.url} (writing the shards)", saving=True)
         faults.point("save.after_gather")
-        coll.on_rank0(lambda: self.finalize([r["files"] for r in reports], manifest_of(reports), keep=keep).step)
+        coll.on_rank0(lambda: self._commit(reports, manifest_of, keep))
+
+    def _commit(self, reports: list[dict], manifest_of: Callable[[list[dict]], Manifest],
+                keep: KeepPolicy | None) -> int:
+        with collector_paused():  # the manifest of every rank's report, then the commit
+            return self.finalize([r["files"] for r in reports], manifest_of(reports), keep=keep).step
 
     def _retain(self, keep: KeepPolicy) -> None:
         try:
-            deleted = self.run.apply_retention(keep)
+            deleted = self.run.apply_retention(keep, just_committed=self.step)
         except OSError as e:  # retention must never fail a committed save
             log.warning("resume: retention failed after committing step %d: %s", self.step, e)
         else:

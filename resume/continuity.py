@@ -11,7 +11,7 @@ difference raises ``ContinuityError`` naming the item, before any update.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checksum import digest_parts
@@ -41,30 +41,44 @@ class Expectation:
     structure: list[dict] = field(default_factory=list)
     """Per optimizer: class, param groups, their parameters and settings (resume.changes)."""
 
+    before_replicas: dict | None = field(default=None, repr=False, compare=False)
+    """Not recorded: the next batch as a manifest written before replicas were merged records it
+    (every rank's pairs, replicas included); set by ``assemble`` only when it differs."""
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Shallow: the values are plain JSON data already (asdict's deep copy of 5,120 ranks'
+        # parts cost rank 0 a second per save at the reference scale).
+        return {name: getattr(self, name) for name in _RECORDED}
 
     @classmethod
-    def assemble(cls, parts: list[dict], *, world_size: int) -> Expectation:
+    def assemble(cls, parts: list[dict], *, world_size: int, to_compare: bool = False) -> Expectation:
         """From every rank's ``part`` (Adapter-side, ``expectation_part``): LR, schedule and step
-        counts are the same on every rank (rank 0's stand); batches, moments and RNG are per rank."""
+        counts are the same on every rank (rank 0's stand); batches, moments and RNG are per rank.
+        ``to_compare``: after a restart, with the next batch as older manifests record it too."""
         first = parts[0]
-        return cls(next_batch=merge_batch_descriptions([p["batch"] for p in parts]),
+        batches = [p["batch"] for p in parts]
+        merged = merge_batch_descriptions(batches)
+        return cls(next_batch=merged,
                    lr_ahead=first["lr_ahead"], lr_groups=first["lr_groups"], structure=first["structure"],
                    schedule=first["schedule"], optimizer_steps=first["optimizer_steps"],
                    optimizer=[p["optimizer"] for p in parts], rng=[p["rng"] for p in parts],
-                   world_size=world_size)
+                   world_size=world_size,
+                   before_replicas=(merge_batch_descriptions(batches, replicas=False)
+                                    if to_compare and merged is not None and merged.get("replicas") else None))
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str) -> Expectation:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expectation: expected an object, actual {type(data).__name__}")
-        known = set(cls.__dataclass_fields__)
+        known = set(_RECORDED)
         if "lr_ahead" not in data or "next_batch" not in data:
             raise ManifestError(f"{source}: expectation: expected fields next_batch and lr_ahead, "
                                 f"actual {sorted(data)}")
         _check_shape(data, source)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_RECORDED = tuple(f.name for f in fields(Expectation) if f.name != "before_replicas")
 
 
 def _is_number(x: Any) -> bool:
@@ -112,21 +126,36 @@ def _check_shape(data: dict, source: str) -> None:
                 raise bad("optimizer", "per optimizer, replicated and sharded moment sums (integers)")
 
 
-def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]]) -> dict | None:
+def merge_batch_descriptions(per_rank: list[list[tuple[int, str]]], *, replicas: bool = True) -> dict | None:
     """Combine each rank's (sample id, content digest) pairs into one global-batch record.
 
     Sorted by sample id, so the record is the same for any data-parallel size. A batch
     without sample ids (negative ids: rows by their position, ``Adapter.describe_batch``)
     is recorded by content alone: no ids, the digest of its rows' digests in sorted order.
+
+    Ranks that describe exactly the same batch (the tensor- and pipeline-parallel peers of
+    one data-parallel rank read the same samples) are replicas: their batch counts once, and
+    ``replicas`` records how many descriptions were folded so (64 of every 64 at TP8 x PP8).
+    A sample two data-parallel ranks both read (a sampler's padding) still counts twice:
+    only whole descriptions are folded. ``replicas=False`` is the record as manifests written
+    before the folding have it (every rank's pairs).
     """
-    pairs = sorted(p for rank in per_rank for p in rank)
+    if replicas:
+        distinct = {tuple(map(tuple, rank)) for rank in per_rank if rank}
+        folded = sum(1 for rank in per_rank if rank) - len(distinct)
+        per_rank = [list(rank) for rank in distinct]
+    pairs = sorted(tuple(p) for rank in per_rank for p in rank)
     if not pairs:
         return None
     if any(int(i) < 0 for i, _ in pairs):
         rows = sorted(d for _, d in pairs)
-        return {"ids": [], "digest": digest_parts(rows), "samples": len(rows)}
-    ids = [int(i) for i, _ in pairs]
-    return {"ids": ids, "digest": digest_parts(f"{i}:{d}" for i, d in pairs), "samples": len(ids)}
+        record = {"ids": [], "digest": digest_parts(rows), "samples": len(rows)}
+    else:
+        ids = [int(i) for i, _ in pairs]
+        record = {"ids": ids, "digest": digest_parts(f"{i}:{d}" for i, d in pairs), "samples": len(ids)}
+    if replicas and folded:
+        record["replicas"] = folded
+    return record
 
 
 def _first_difference(a: list, b: list) -> int | None:
@@ -164,7 +193,7 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
         k = _first_difference(expected.rng, actual.rng)
         raise ContinuityError(f"rng (rank {k})", short(expected.rng), short(actual.rng),
                               "a generator was re-seeded or not restored")
-    _compare_batch(expected.next_batch, actual.next_batch)
+    _compare_batch(expected.next_batch, actual.next_batch, actual.before_replicas)
 
 
 def matched(expected: Expectation, *, resized: bool = False) -> str:
@@ -243,7 +272,9 @@ def _compare_moments(expected: Expectation, actual: Expectation, *, resized: boo
                                       _moment_hint(a["replicated"]))
 
 
-def _compare_batch(expected: dict | None, actual: dict | None) -> None:
+def _compare_batch(expected: dict | None, actual: dict | None, before_replicas: dict | None = None) -> None:
+    if expected is not None and before_replicas is not None and "replicas" not in expected:
+        actual = before_replicas  # a manifest written before replicas were folded records them all
     if expected is None:
         # Saved at the end of a pass over the data: what the next pass starts
         # with is the loader's business (a new epoch, a new shuffle).

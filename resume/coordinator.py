@@ -408,4 +408,4 @@ class Coordinator:
         """Collective, right after a load: the Expectation recomputed from the live objects."""
         self._next.reset()
         parts = self.coll.each(lambda: self._next.expectation_part(schedule), "continuity check")
-        return Expectation.assemble(parts, world_size=self.comm.world_size)
+        return Expectation.assemble(parts, world_size=self.comm.world_size, to_compare=True)

@@ -79,7 +79,7 @@ class Manifest:
             "changes": self.changes,
             "complete": self.complete,
         }
-        return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
+        return _two_levels(body)
 
     @property
     def total_bytes(self) -> int:
@@ -165,3 +165,20 @@ def _parse_changes(changes: Any, *, source: str) -> list[dict[str, Any]]:
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _two_levels(body: dict) -> str:
+    """JSON with one line per top-level item and, inside an object, per entry (one file per
+    line); deeper values compact on their line. Written with the C encoder: ``indent`` would
+    take Python's, over a second for the manifest of 5,120 ranks."""
+    def one(value: Any) -> str:
+        return json.dumps(value, allow_nan=False)
+
+    items = []
+    for key, value in body.items():
+        if isinstance(value, dict) and value:
+            inner = ",\n".join(f"  {one(str(k))}: {one(v)}" for k, v in value.items())
+            items.append(f" {one(key)}: {{\n{inner}\n }}")
+        else:
+            items.append(f" {one(key)}: {one(value)}")
+    return "{\n" + ",\n".join(items) + "\n}\n"

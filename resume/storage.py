@@ -78,6 +78,10 @@ class Storage(Protocol):
     def isdir(self, path: str) -> bool: ...
     def listdir(self, path: str) -> list[str]: ...
     def size(self, path: str) -> int: ...
+    def sizes(self, path: str) -> dict[str, int]:
+        """The sizes of the regular files directly in the directory ``path``, from one listing
+        (links, special files and directories are left out: ``size`` says what each is)."""
+        ...
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes: ...
     def open_read(self, path: str) -> IO[bytes]: ...
     def write_bytes_atomic(self, path: str, data: bytes) -> None: ...
@@ -243,6 +247,19 @@ class LocalStorage:
     def size(self, path: str) -> int:
         """The size of the regular file at ``path`` (a link or special file is refused)."""
         return self._regular(path, self._lstat(path))
+
+    def sizes(self, path: str) -> dict[str, int]:
+        fd = self._open_dir(self._parts(path))
+        try:
+            out = {}
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        out[entry.name] = st.st_size
+            return out
+        finally:
+            os.close(fd)
 
     def _regular(self, path: str, st: os.stat_result) -> int:
         """The size of a regular file; IsADirectoryError for a directory (damage, like ENOENT),
@@ -477,6 +494,15 @@ class FsspecStorage:
 
     def size(self, path: str) -> int:
         return int(self._call(self.fs.size, self.url(path)))
+
+    def sizes(self, path: str) -> dict[str, int]:
+        self.fs.invalidate_cache(self.url(path))
+        try:
+            entries = self._call(self.fs.ls, self.url(path), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+                if e.get("type") == "file" and e.get("size") is not None}
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         """An object store has no links or FIFOs; with ``limit`` the size is checked first and

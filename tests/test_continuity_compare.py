@@ -201,3 +201,42 @@ def test_end_of_data_at_save_does_not_constrain_the_next_pass():
     compare(saved, now)
     with pytest.raises(ContinuityError, match="next_batch"):
         compare(now, saved)
+
+
+def test_ranks_that_describe_the_same_batch_are_replicas_counted_once():
+    """TP and PP peers of one data-parallel rank read the same samples: their batch counts once."""
+    dp0, dp1 = [A, B], [C, D]
+    tp2 = merge_batch_descriptions([dp0, dp0, dp1, dp1])
+    assert tp2["ids"] == [0, 1, 2, 3] and tp2["samples"] == 4 and tp2["replicas"] == 2
+    plain = merge_batch_descriptions([dp0, dp1])
+    assert tp2["digest"] == plain["digest"] and "replicas" not in plain
+    # A sample two data-parallel ranks both read (a sampler's padding) still counts twice.
+    padded = merge_batch_descriptions([[A, B], [C, A]])
+    assert padded["ids"] == [0, 0, 1, 2] and "replicas" not in padded
+    # Lists as they come back from JSON or a pickle are the same pairs.
+    assert merge_batch_descriptions([[list(A), list(B)], [A, B], [C, D]])["ids"] == [0, 1, 2, 3]
+
+
+def _parts(batches: list[list[tuple[int, str]]]) -> list[dict]:
+    return [{"batch": b, "lr_ahead": [[1e-4]], "lr_groups": [], "structure": [], "schedule": [],
+             "optimizer_steps": [1], "optimizer": [], "rng": f"r{i}"} for i, b in enumerate(batches)]
+
+
+def test_a_manifest_written_before_replicas_were_folded_still_restarts():
+    """A manifest of a run with replicas, written before folding, records every rank's pairs;
+    the restart compares its next batch the same way, and a changed batch is still refused."""
+    replicated = [[A, B], [A, B], [C, D], [C, D]]
+    saved = Expectation.assemble(_parts(replicated), world_size=4)
+    assert saved.next_batch["ids"] == [0, 1, 2, 3]
+    older = Expectation.from_dict(json.loads(json.dumps(saved.to_dict())), source="manifest.json")
+    older.next_batch = merge_batch_descriptions(replicated, replicas=False)
+    assert older.next_batch["ids"] == [0, 0, 1, 1, 2, 2, 3, 3] and "replicas" not in older.next_batch
+    after = Expectation.assemble(_parts(replicated), world_size=4, to_compare=True)
+    compare(saved, after)
+    compare(older, after)
+    moved = Expectation.assemble(_parts([[B, C], [B, C], [D, (4, "d4")], [D, (4, "d4")]]), world_size=4,
+                                 to_compare=True)
+    for expected in (saved, older):
+        with pytest.raises(ContinuityError, match="next_batch.ids"):
+            compare(expected, moved)
+    assert "before_replicas" not in saved.to_dict()

@@ -81,13 +81,19 @@ def test_storage_that_refuses_a_read_stops_the_restore_and_moves_nothing(run_dir
     from resume.storage import LocalStorage
 
     trained(run_dir, until=6, every=3)
-    size = LocalStorage.size
+    size, sizes = LocalStorage.size, LocalStorage.sizes
 
     def eio_on_step6(self, path):
         if path.startswith("step-000000006/"):
             raise OSError(errno.EIO, "Input/output error")
         return size(self, path)
+
+    def eio_listing_step6(self, path):  # the commit check lists a directory's sizes first
+        if path.startswith("step-000000006"):
+            raise OSError(errno.EIO, "Input/output error")
+        return sizes(self, path)
     monkeypatch.setattr(LocalStorage, "size", eio_on_step6)
+    monkeypatch.setattr(LocalStorage, "sizes", eio_listing_step6)
     coord, _ = build(0, 1, run_dir, Setup(every=3))
     with pytest.raises(StorageError, match=r"step-000000006: expected readable storage, actual .*"
                        r"Input/output error \(nothing passed over or moved; try again\)"):

@@ -7,6 +7,8 @@ or a bad disk does.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from support.checkpoints import (
     DEFAULT_FILES,
@@ -387,3 +389,39 @@ def test_retention_keeps_multiples_of_keep_every_forever(tmp_path):
         write_checkpoint(run, step)
     assert run.apply_retention(KeepPolicy(keep_last=2, keep_every=20)) == [10, 30]
     assert run.step_dirs() == [20, 40, 50]
+
+
+def test_retention_reads_a_kept_manifest_again_when_its_bytes_change(tmp_path):
+    """Retention keeps what it parsed, but only for the very same bytes: a kept checkpoint whose
+    manifest was damaged since the last commit no longer counts as kept, so nothing older goes."""
+    run = make_run(tmp_path)
+    for step in (10, 20, 30):
+        write_checkpoint(run, step)
+    assert run.apply_retention(KeepPolicy(keep_last=2)) == [10]
+    assert set(run._parsed) == {20, 30}  # parsed once, kept for the next commit
+    parsed_20 = run._parsed[20][1]
+    write_checkpoint(run, 40)
+    # Unchanged bytes: the same object, not parsed again.
+    assert run.read_manifest(20, reuse=True) is parsed_20
+    path = run.manifest_path(30)
+    body = json.loads(run.storage.read_bytes(path))
+    body["train_state"]["samples_read"] = -1  # still JSON, no longer a valid manifest
+    run.storage.write_bytes_atomic(path, json.dumps(body).encode())
+    # 40 and the damaged 30 are not two kept checkpoints: 20 stays.
+    assert run.apply_retention(KeepPolicy(keep_last=2)) == []
+    assert run.step_dirs() == [20, 30, 40]
+    assert run.read_manifest(20, reuse=True) is parsed_20
+
+
+def test_retention_does_not_check_again_the_step_it_was_called_for(tmp_path, monkeypatch):
+    run = make_run(tmp_path)
+    for step in (10, 20, 30):
+        write_checkpoint(run, step)
+    checked = []
+    check = Run.check
+    monkeypatch.setattr(Run, "check", lambda self, step, **kw: checked.append(step) or check(self, step, **kw))
+    assert run.apply_retention(KeepPolicy(keep_last=2), just_committed=30) == [10]
+    assert checked == [20, 10]
+    checked.clear()
+    assert run.apply_retention(KeepPolicy(keep_last=2)) == []
+    assert checked == [30, 20]
