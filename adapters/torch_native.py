@@ -61,6 +61,7 @@ from resume.text import clip, parse_json, short
 from . import jsonstate
 from .data import check_loader, load_loader_state, loader_state
 from .dcp_io import make_reader, make_writer, without_torch_crc32
+from .dcp_plan_cache import SavePlanCache
 from .dcp_safe import (
     SafeLoadPlanner,
     pickle_refusal,
@@ -250,7 +251,8 @@ class NativeTorchAdapter(Adapter):
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module],
                  optimizers: torch.optim.Optimizer | Iterable, schedulers: Any = (), data: Any = None, *,
                  comm: Comm | None = None, process_group: Any = None, compression: str | None = None,
-                 moving_settings: Iterable[str] = (), model_state: str = "auto") -> None:
+                 moving_settings: Iterable[str] = (), model_state: str = "auto",
+                 plan_caching: bool = True) -> None:
         """``model``: a module, or the model parts this rank holds (pipeline stages; torchtitan's
         ``model_parts``), whose state names do not overlap.
 
@@ -278,12 +280,21 @@ class NativeTorchAdapter(Adapter):
         the code's value. Fields a torch scheduler moves (``betas``/``momentum`` with
         ``cycle_momentum``) count as moving by themselves. Every other scalar field of a group is
         a setting: a value in the code that differs from the checkpoint's is refused at restore
-        unless accepted (``Coordinator(accept_changes=...)``)."""
+        unless accepted (``Coordinator(accept_changes=...)``).
+
+        ``plan_caching``: DCP's save-plan caching (on by default): a save whose every rank's
+        local plan equals its last one (same names, shapes, shardings, dtypes) reuses rank 0's
+        global plan and ``.metadata`` layout instead of planning anew (55 s at 5,120 ranks of the
+        reference layout, 0.2 ms cached). The cache is this adapter's own, one per save path
+        (synchronous, asynchronous), dropped after a failed save; any change replans. Rank 0
+        keeps every rank's plan in memory, about 4.3 GB at 5,120 ranks (adapters/dcp_plan_cache.py):
+        ``False`` gives the memory back and plans every save in full."""
         from .dcp_io import COMPRESSIONS
 
         if compression not in COMPRESSIONS:
             raise UsageError(f"compression: expected one of {COMPRESSIONS}, actual {compression!r}")
         self.compression = compression
+        self._plan_cache = SavePlanCache(type(self).__name__, enabled=plan_caching)
         self.model_parts = [model] if isinstance(model, torch.nn.Module) else list(model)
         if not self.model_parts or not all(isinstance(m, torch.nn.Module) for m in self.model_parts):
             raise UsageError("model: expected a torch.nn.Module or a list of them (model parts), actual "
@@ -661,9 +672,13 @@ class NativeTorchAdapter(Adapter):
         # torch.save's CRC switch is process-wide: only a save on the training thread
         # (the loop is waiting) turns it off; a background write keeps it.
         crc = contextlib.nullcontext() if background else without_torch_crc32()
+        # Both paths cache their plans, under keys of their own: the coordinator never runs two
+        # of this adapter's saves at once (a save waits for the background one in flight), and
+        # even if it did, two keys share no entry. dcp.async_save is not used here.
+        planner = self._plan_cache.planner("staged" if background else "live", group)
         try:
-            with _quiet_single_process(), crc:
-                metadata = dcp.save(state, storage_writer=writer, process_group=group,
+            with _quiet_single_process(), crc, self._plan_cache.dropped_on_failure(planner):
+                metadata = dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                                     no_dist=not dist.is_initialized())
         except CheckpointException as e:  # a BaseException: make it ours, with the cause
             raise SaveFailedError(_explain_dcp_failure(e, state, storage, step_dir)) from e
