@@ -353,10 +353,13 @@ class MegatronRecorder:
         checksums its share (a 7 TB checkpoint is read once, in parallel), rank 0 writes the
         manifest. The manifest on rank 0, None on the others."""
         commit = StepCommit(self.run, snapshot.iteration, lease=self._lease)
-        names = self.collective.on_rank0(lambda: sorted(n for n in _walk(self.run, commit.dirname)
-                                                        if n != MEGATRON_LAYOUT.manifest_name))
-        files = self.collective.gather(lambda: commit.checksum_share(names, self.comm.rank, self.comm.world_size),
-                                       f"manifest of {commit.dirname}", saving=True)
+        what = f"manifest of {commit.dirname}"
+        # Each rank receives the names of its own share only (the directory of 5,120 ranks
+        # lists over 10,000 files: broadcast, every rank would receive them all).
+        share = self.collective.scatter(lambda: commit.shares(
+            (n for n in _walk(self.run, commit.dirname) if n != MEGATRON_LAYOUT.manifest_name),
+            self.comm.world_size), what, saving=True)
+        files = self.collective.gather(lambda: commit.checksum_share(share), what, saving=True)
         committed: list[Manifest] = []  # rank 0's, kept here rather than sent to every rank
 
         def finalize() -> None:

@@ -42,7 +42,8 @@ DCP's own part is synthetic: local save plans shaped like the reference layout's
 rank: P = tensors/4 model tensors of 1536 x 20480 bf16, TP-sharded and replicated over DP, and
 3P optimizer tensors (fp32 param, exp_avg, exp_avg_sq), flat and sharded over TP x DP, as
 Megatron-Core's ``fully_sharded_model_space`` distributed optimizer gives them), passed to the
-real ``DefaultSavePlanner(enable_plan_caching=True).create_global_plan`` twice: the first call
+real ``create_global_plan`` of the planner ``NativeTorchAdapter`` saves with
+(``dcp_plan_cache.CachingSavePlanner``: DCP's ``enable_plan_caching``) twice: the first call
 has no cache (the same work as with caching off: dedup, global plan, validation), the second
 gets the unchanged ranks' empty plans, as cached local planners send them. Its metadata and
 synthetic write results go through the real ``FileSystemWriter.finish`` (our
@@ -88,11 +89,16 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.dcp_io import make_writer
+from resume.adapters.dcp_plan_cache import CachingSavePlanner
 from resume.adapters.dcp_safe import restricted_load_metadata
 from resume.adapters.torch_native import NativeTorchAdapter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
@@ -570,8 +576,11 @@ def restore(layout: Layout, run_dir: str, tensors: int, step_dir: str, metadata_
 
 
 def _carries(obj: Any, data: bytes) -> int:
+    """1 for a broadcast that carries DCP's metadata: its bytes, or the object rank 0 parsed."""
     if isinstance(obj, bytes):
         return int(obj == data)
+    if isinstance(obj, Metadata):
+        return 1
     if isinstance(obj, tuple | list):
         return sum(_carries(o, data) for o in obj)
     return 0
@@ -678,7 +687,9 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     build_s = time.perf_counter() - started
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
     _clear_plan_cache()
-    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=True)
+    # The planner NativeTorchAdapter saves with (adapters/dcp_plan_cache.py): DCP's caching,
+    # reused only for plans equal in every field.
+    planner = CachingSavePlanner(f"scale-{layout.ranks}", flatten_state_dict=False)
     with quiet():
         started = time.perf_counter()
         global_plan, metadata = planner.create_global_plan(plans)
@@ -797,10 +808,10 @@ ROWS_PRINTED = [
     ("rank 0 control-plane time per save, mean once retention deletes (s)", "rank0_save_s", lambda v: f"{v:.3f}"),
     ("  of which manifest write (s)", ("rank0_save_parts_s", "manifest_write"), lambda v: f"{v:.3f}"),
     ("  of which retention (s)", ("rank0_save_parts_s", "retention"), lambda v: f"{v:.3f}"),
-    ("  of which garbage collection, anywhere in the save (s)", ("rank0_save_parts_s", "garbage_collection"),
+    ("Python's garbage collector during the save, any part (s)", ("rank0_save_parts_s", "garbage_collection"),
      lambda v: f"{v:.3f}"),
-    ("rank 0 control-plane time, slowest of those saves (s)", "rank0_save_max_s", lambda v: f"{v:.3f}"),
     ("  of which gather, commit and the rest (s)", ("rank0_save_parts_s", "gather_and_rest"), lambda v: f"{v:.3f}"),
+    ("rank 0 control-plane time, slowest of those saves (s)", "rank0_save_max_s", lambda v: f"{v:.3f}"),
     ("manifest size", "manifest_bytes", _si),
     ("manifest parse (s)", "manifest_parse_s", lambda v: f"{v:.3f}"),
     ("discovery, Run.find_latest (s)", "find_latest_s", lambda v: f"{v:.3f}"),

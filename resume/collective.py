@@ -125,6 +125,31 @@ class Collective:
             raise error
         raise rebuild(outcome[1])
 
+    def scatter(self, fn: Callable[[], list[Any]], what: str, *, saving: bool = False) -> Any:
+        """Run ``fn`` on rank 0 only: a list with one value per rank; each rank returns its own
+        (O(1) per rank, where ``on_rank0`` would send the whole list to every rank). An error in
+        ``fn`` is raised on every rank alike."""
+        shares: list[Any] | None = None
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                values = fn()
+                if len(values) != self.world_size:
+                    raise ValueError(f"{what}: expected one value per rank ({self.world_size}), "
+                                     f"actual {len(values)}")
+                shares = [("ok", v) for v in values]
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+                error = e
+                shares = [("failed", [Failure.of(e, 0)], self.world_size)] * self.world_size
+        scatter = getattr(self.comm, "scatter_object", None)
+        if scatter is not None:
+            mine = scatter(shares, src=0)
+        else:  # a Comm of a program's own without scatter: the whole list, each takes its own
+            mine = self.comm.broadcast_object(shares, src=0)[self.rank]
+        if mine[0] == "ok":
+            return mine[1]
+        raise agreed_error(mine[1], mine[2], what, saving=saving) from error
+
     def each(self, fn: Callable[[], Any], what: str, *, saving: bool = False) -> list[Any]:
         """Run the local step ``fn`` on every rank (no collectives inside), then agree: every
         rank gets every rank's value, or every rank raises the same error (``agreed_error``).

@@ -23,6 +23,10 @@ class Comm(Protocol):
         """Every rank's ``obj`` on ``dst`` (a list in rank order); None on the others. What
         each rank sends is its own object only: O(1) per rank, not O(ranks) as an all-gather."""
         ...
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """``objs[r]`` from ``src`` to each rank ``r`` (``objs`` is read on ``src`` only): each
+        rank receives its own object, not the whole list as from a broadcast."""
+        ...
     def max_flags(self, flags: list[int]) -> list[int]:
         """Element-wise maximum of small integer flags over all ranks (one small all-reduce)."""
         ...
@@ -47,6 +51,10 @@ class LocalComm:
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         return [obj]
+
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        assert objs is not None
+        return objs[0]
 
     def max_flags(self, flags: list[int]) -> list[int]:
         return [int(f) for f in flags]

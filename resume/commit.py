@@ -111,9 +111,14 @@ class StepCommit:
             records[rel] = tuple(known) if known else checksum_file(self.run.storage, join(self.dirname, rel))
         return records
 
-    def checksum_share(self, names: Iterable[str], rank: int, world_size: int) -> dict:
+    @staticmethod
+    def shares(names: Iterable[str], world_size: int) -> list[list[str]]:
+        """Files someone else wrote, dealt out to the ranks for ``checksum_share``."""
+        ordered = sorted(names)
+        return [ordered[rank::world_size] for rank in range(world_size)]
+
+    def checksum_share(self, share: Iterable[str]) -> dict:
         """Records of this rank's share of files someone else wrote (read once, in parallel)."""
-        share = sorted(names)[rank::world_size]
         return {rel: checksum_file(self.run.storage, join(self.dirname, rel)) for rel in share}
 
     # -- rank 0, last ---------------------------------------------------------------------------------

@@ -405,7 +405,14 @@ class Coordinator:
                 matched(restored.expected, resized=resized))
 
     def _expectation_after_load(self, schedule: list[dict]) -> Expectation:
-        """Collective, right after a load: the Expectation recomputed from the live objects."""
+        """Collective, right after a load: the Expectation recomputed from the live objects,
+        assembled on rank 0, which compares it (each rank sends its own part, O(1) per rank);
+        on the others, from their own part alone (its LR ahead, the same on every rank)."""
         self._next.reset()
-        parts = self.coll.each(lambda: self._next.expectation_part(schedule), "continuity check")
-        return Expectation.assemble(parts, world_size=self.comm.world_size, to_compare=True)
+        own: dict = {}
+        world = self.comm.world_size
+        assembled = self.coll.gather(lambda: own.setdefault("part", self._next.expectation_part(schedule)),
+                                     "continuity check",
+                                     combine=lambda parts: Expectation.assemble(parts, world_size=world,
+                                                                                to_compare=True))
+        return assembled if self.rank == 0 else Expectation.assemble([own["part"]], world_size=world)

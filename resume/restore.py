@@ -147,7 +147,8 @@ class Restorer:
 
     def load(self, manifest: Manifest, expectation_now: Callable[[list[dict]], Expectation]) -> Restored:
         """Settings, shards, rank state; then the continuity check (``expectation_now(schedule)``
-        recomputes the expectation from the live objects)."""
+        recomputes the expectation from the live objects: every rank's on rank 0, the rank's
+        own elsewhere)."""
         step_dir = self.run.dirname(manifest.step)
         source = self.run.storage.url(join(step_dir, "manifest.json"))
         expected = Expectation.from_dict(manifest.expectation, source=source)
@@ -169,7 +170,9 @@ class Restorer:
                             actual.lr_ahead, expected.lr_ahead)
             expected.lr_ahead, expected.lr_groups = actual.lr_ahead, actual.lr_groups
         saved_world = int(manifest.topology.get("world_size", 1))
-        compare(expected, actual, resized=saved_world != self.coll.world_size)
+        # Rank 0 alone holds every rank's part (``expectation_now``): it compares, and its
+        # verdict (a ContinuityError with its fields) is every rank's.
+        self.coll.on_rank0(lambda: compare(expected, actual, resized=saved_world != self.coll.world_size))
         return Restored(manifest, state, expected,
                         list(manifest.changes) + [c.record(manifest.step) for c in accepted])
 

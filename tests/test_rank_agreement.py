@@ -178,3 +178,35 @@ def test_gather_everywhere_and_agree():
     comm = ScriptedComm(0, 2, others={1: failure_report(error, 1)})
     with pytest.raises(CorruptCheckpointError, match="rank-1.json"):
         Collective(comm).agree(lambda: {"mine": 0}, "rank state")
+
+
+class ScatteringComm(ScriptedComm):
+    """ScriptedComm with a scatter: rank 0 keeps what it would send to each rank."""
+
+    def scatter_object(self, objs, src=0):
+        self.scattered = objs
+        return objs[self.rank] if self.rank == src else self.from_rank0
+
+
+def test_scatter_gives_each_rank_its_own_share_and_no_one_the_list():
+    comm = ScatteringComm(0, 3)
+    shares = [["a", "d"], ["b"], ["c"]]
+    assert Collective(comm).scatter(lambda: shares, "manifest of iter_0000010") == ["a", "d"]
+    assert [s[1] for s in comm.scattered] == shares and not hasattr(comm, "broadcast")
+    other = ScatteringComm(2, 3, from_rank0=comm.scattered[2])
+    assert Collective(other).scatter(lambda: 1 / 0, "manifest of iter_0000010") == ["c"]
+    # A Comm of a program's own without scatter_object: the whole list, each takes its own.
+    plain = ScriptedComm(1, 3, from_rank0=comm.scattered)
+    assert Collective(plain).scatter(lambda: None, "manifest") == ["b"]
+
+
+def test_an_error_in_rank0s_scatter_is_raised_on_every_rank():
+    comm = ScatteringComm(0, 2)
+    with pytest.raises(SaveFailedError, match=r"rank 0: OSError: .*Input/output error"):
+        Collective(comm).scatter(lambda: (_ for _ in ()).throw(OSError(5, "Input/output error")),
+                                 "manifest of iter_0000010", saving=True)
+    other = ScatteringComm(1, 2, from_rank0=comm.scattered[1])
+    with pytest.raises(SaveFailedError, match="rank 0: OSError"):
+        Collective(other).scatter(list, "manifest of iter_0000010", saving=True)
+    with pytest.raises(SaveFailedError, match="expected one value per rank"):
+        Collective(ScatteringComm(0, 2)).scatter(lambda: [[]], "manifest", saving=True)

@@ -82,9 +82,9 @@ def test_discovery_reads_no_manifest_older_than_the_one_it_takes(run_dir, monkey
     read: list[int] = []
     original = RunClass.read_manifest
 
-    def read_manifest(self, step):
+    def read_manifest(self, step, **kwargs):
         read.append(step)
-        return original(self, step)
+        return original(self, step, **kwargs)
     monkeypatch.setattr(RunClass, "read_manifest", read_manifest)
     manifest, rejected = run.find_latest()
     assert manifest.step == (4 if newest_torn else 5)
