@@ -77,7 +77,7 @@ def _number(value: float) -> str:
 
 # -- measured: update these after a new run of benchmarks/scale.py ------------------------------
 
-MEASURED_BY = ("python benchmarks/scale.py --ranks 640,5120 --json (2-core VM, torch 2.13.0+cpu), "
+MEASURED_BY = ("python benchmarks/scale.py --json (2-core VM, torch 2.13.0+cpu), "
                "at 5,120 ranks")
 
 
@@ -86,7 +86,11 @@ class Measured:
     """The control plane's figures at 5,120 ranks (the keys of scale.py's JSON in brackets)."""
 
     save_control_plane_s: float
-    """Rank 0's time per save: gather and assembly, manifest write, retention (rank0_save_s)."""
+    """Rank 0's time per save: gather and assembly, manifest write, retention (rank0_save_s,
+    the mean over the saves once retention deletes)."""
+    save_gather_s: float
+    """Of it, the gathers and the assembly of every rank's part, and the rest that is neither
+    the manifest write nor retention (rank0_save_parts_s.gather_and_rest)."""
     manifest_parse_s: float
     """One manifest read and parsed (manifest_parse_s)."""
     discovery_s: float
@@ -97,7 +101,13 @@ class Measured:
     metadata_mib: float
     """DCP's ``.metadata`` for the reference layout (metadata_bytes)."""
     metadata_unpickle_s: float
-    """Plain ``pickle.loads`` of that ``.metadata`` (metadata_plain_unpickle_s)."""
+    """Plain ``pickle.loads`` of that ``.metadata`` (metadata_plain_unpickle_s): every rank but
+    0 at restore (the object rank 0 broadcasts) and at each save (DCP's broadcast of it)."""
+    metadata_pickle_s: float
+    """``pickle.dumps`` of the loaded ``.metadata`` (metadata_pickle_s): rank 0, to broadcast it."""
+    metadata_restricted_s: float
+    """Our allow-list unpickler on that ``.metadata`` (metadata_unpickle_s, extrapolated from the
+    largest size measured in the same run at the same seconds per byte): rank 0 at restore."""
     dcp_plan_s: float
     """DCP's global save plan, no plan cache (dcp_plan_s)."""
     dcp_plan_cached_s: float
@@ -107,9 +117,10 @@ class Measured:
     (restore_bytes_received_per_rank)."""
 
 
-MEASURED = Measured(save_control_plane_s=2.53, manifest_parse_s=0.045, discovery_s=0.24,
-                    restore_control_plane_s=1.65, metadata_mib=612.7, metadata_unpickle_s=21.7,
-                    dcp_plan_s=54.7, dcp_plan_cached_s=0.0002, restore_received_mib=620.7)
+MEASURED = Measured(save_control_plane_s=0.584, save_gather_s=0.183, manifest_parse_s=0.041,
+                    discovery_s=0.095, restore_control_plane_s=1.52, metadata_mib=612.7,
+                    metadata_unpickle_s=21.5, metadata_pickle_s=30.8, metadata_restricted_s=223.0,
+                    dcp_plan_s=65.2, dcp_plan_cached_s=0.0005, restore_received_mib=614.0)
 
 
 # -- assumed: the inputs -------------------------------------------------------------------------
@@ -173,11 +184,14 @@ LABELS = {
     "checkpoint": "checkpoint size",
     "staged_per_rank": "bytes each rank stages (asynchronous save)",
     "save_control_plane": "rank 0 control plane per save",
+    "save_gather": "rank 0 gather and assembly per save",
     "discovery": "discovery (`Run.find_latest`)",
     "manifest_parse": "manifest parse",
     "restore_control_plane": "rank 0 restore without shard I/O",
     "metadata": "DCP `.metadata` size",
-    "metadata_unpickle": "`.metadata` unpickle, every rank",
+    "metadata_restricted": "`.metadata` vetted by rank 0 (allow-list unpickler)",
+    "metadata_pickle": "`.metadata` pickled by rank 0 to send it",
+    "metadata_unpickle": "`.metadata` unpickled by every other rank",
     "dcp_plan": "DCP global save plan, no cache",
     "dcp_plan_cached": "DCP global save plan, cached",
     "restore_received": "bytes each rank receives at restore",
@@ -218,18 +232,29 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         f"({optimizer_shard / GB:.3g} GB); the staging copy takes the rank's whole state"))
 
     # Phase 2, measured control plane.
-    f["save_control_plane"] = Figure(m.save_control_plane_s, "s", f"{by} rank0_save_s")
+    f["save_control_plane"] = Figure(m.save_control_plane_s, "s", (
+        f"{by} rank0_save_s (the mean of the saves once retention deletes)"))
+    f["save_gather"] = Figure(m.save_gather_s, "s", (
+        f"{by} rank0_save_parts_s.gather_and_rest (of the above: every rank's part received and "
+        f"assembled, neither the manifest write nor retention)"))
     f["discovery"] = Figure(m.discovery_s, "s", f"{by} find_latest_s (part of the restore below)")
     f["manifest_parse"] = Figure(m.manifest_parse_s, "s", f"{by} manifest_parse_s (part of the restore below)")
     f["restore_control_plane"] = Figure(m.restore_control_plane_s, "s", (
         f"{by} rank0_restore_s (discovery, manifest, rank state, checksums and load of tiny "
         f"shards, continuity check; .metadata at its tiny size)"))
     f["metadata"] = Figure(m.metadata_mib, "MiB", f"{by} metadata_bytes")
+    f["metadata_restricted"] = Figure(m.metadata_restricted_s, "s", (
+        f"{by} metadata_unpickle_s (our allow-list unpickler, extrapolated from the largest size "
+        f"measured in the same run; rank 0 alone vets .metadata at a restore)"))
+    f["metadata_pickle"] = Figure(m.metadata_pickle_s, "s", (
+        f"{by} metadata_pickle_s (pickle.dumps of the object: what sending it costs rank 0)"))
     f["metadata_unpickle"] = Figure(m.metadata_unpickle_s, "s", (
-        f"{by} metadata_plain_unpickle_s (plain pickle.loads, as torch's broadcast of it at a "
-        f"save; the restricted unpickler a restore uses is slower: a lower bound there)"))
-    f["dcp_plan"] = Figure(m.dcp_plan_s, "s", f"{by} dcp_plan_s (plan caching is not turned on)")
-    f["dcp_plan_cached"] = Figure(m.dcp_plan_cached_s, "s", f"{by} dcp_plan_cached_s (not used below)")
+        f"{by} metadata_plain_unpickle_s (plain pickle.loads: every other rank, of the object "
+        f"rank 0 sends at a restore and of DCP's broadcast of it at each save)"))
+    f["dcp_plan"] = Figure(m.dcp_plan_s, "s", (
+        f"{by} dcp_plan_s (a process's first save; the adapter caches the plan for the next)"))
+    f["dcp_plan_cached"] = Figure(m.dcp_plan_cached_s, "s", (
+        f"{by} dcp_plan_cached_s (every later save of an unchanged state)"))
     f["restore_received"] = Figure(m.restore_received_mib, "MiB", (
         f"{by} restore_bytes_received_per_rank (its transfer time is not counted)"))
 
@@ -241,20 +266,24 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     staging_s = (model_shard + optimizer_shard) / (i.d2h_gbs * GB)
     f["staging"] = Figure(staging_s, "s", (
         f"computed: {f['staged_per_rank'].shown()} / {_number(i.d2h_gbs)} GB/s, every GPU at once"))
-    sync_s = m.save_control_plane_s + m.dcp_plan_s + write_s + m.metadata_unpickle_s
+    broadcast_s = m.metadata_pickle_s + m.metadata_unpickle_s  # DCP's broadcast of .metadata
+    sync_s = m.save_control_plane_s + m.dcp_plan_cached_s + write_s + broadcast_s
     f["stall_sync"] = Figure(sync_s, "s", (
-        f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan {_number(m.dcp_plan_s)} "
-        f"+ bulk write {_number(write_s)} + .metadata unpickle {_number(m.metadata_unpickle_s)} s"))
-    async_s = m.save_control_plane_s + staging_s
+        f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan, cached "
+        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + DCP's broadcast of .metadata "
+        f"(pickle {_number(m.metadata_pickle_s)} + unpickle {_number(m.metadata_unpickle_s)}) s; a "
+        f"process's first save plans uncached: + {_number(m.dcp_plan_s - m.dcp_plan_cached_s)} s"))
+    async_s = m.save_gather_s + staging_s
     f["stall_async"] = Figure(async_s, "s", (
-        f"computed: control plane {_number(m.save_control_plane_s)} + staging copy {_number(staging_s)} s "
-        f"(an upper bound: the manifest write and retention, part of the control plane, run in the "
-        f"background; Megatron-LM's own --async-save is not modelled)"))
-    background_s = m.dcp_plan_s + write_s + m.metadata_unpickle_s + m.save_control_plane_s
+        f"computed: gather and assembly {_number(m.save_gather_s)} + staging copy {_number(staging_s)} s "
+        f"(an upper bound: only the expectation's gather is in the loop's way; the manifest write "
+        f"and retention run in the background; Megatron-LM's own --async-save is not modelled)"))
+    background_s = m.dcp_plan_cached_s + write_s + broadcast_s + m.save_control_plane_s
     f["async_background"] = Figure(background_s, "s", (
-        f"computed: DCP plan {_number(m.dcp_plan_s)} + bulk write {_number(write_s)} + .metadata "
-        f"unpickle {_number(m.metadata_unpickle_s)} + control plane {_number(m.save_control_plane_s)} s; "
-        f"the asynchronous stall holds while the checkpoint interval is longer than this"))
+        f"computed: DCP plan, cached {_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + "
+        f"DCP's broadcast of .metadata {_number(broadcast_s)} + control plane "
+        f"{_number(m.save_control_plane_s)} s; the asynchronous stall holds while the checkpoint "
+        f"interval is longer than this"))
 
     # Phase 4, a restart: detection, a fresh job's start, the restore.
     read_s = 2 * checkpoint_b / (i.fs_bandwidth_gbs * GB)
@@ -283,14 +312,16 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         "assumed: the top of the 30-60 s a requeued, eligible job waited on the loopback Slurm "
         "with the default scheduler intervals (tests/support/slurm_cluster.sh sets "
         "sched_interval=2 to avoid it)"))
-    restore_s = m.restore_control_plane_s + m.metadata_unpickle_s + m.dcp_plan_s + read_s
+    metadata_s = m.metadata_restricted_s + m.metadata_pickle_s + m.metadata_unpickle_s
+    restore_s = m.restore_control_plane_s + metadata_s + m.dcp_plan_s + read_s
     start_s = f["detect"].value + f["process_start"].value + f["dist_init"].value
     spare_s = start_s + restore_s
     f["restart_spare"] = Figure(spare_s, "s", (
         f"computed: detection {_number(f['detect'].value)} + process start "
         f"{_number(f['process_start'].value)} + torch.distributed init {_number(f['dist_init'].value)} "
-        f"+ restore control plane {_number(m.restore_control_plane_s)} + .metadata unpickle "
-        f"{_number(m.metadata_unpickle_s)} + DCP load planning {_number(m.dcp_plan_s)} + bulk read "
+        f"+ restore control plane {_number(m.restore_control_plane_s)} + .metadata vetted by rank 0, "
+        f"sent and loaded ({_number(m.metadata_restricted_s)} + {_number(m.metadata_pickle_s)} + "
+        f"{_number(m.metadata_unpickle_s)}) + DCP load planning {_number(m.dcp_plan_s)} + bulk read "
         f"{_number(read_s)} s (the hook relaunches inside the allocation: no requeue)"))
     slurm_s = f["requeue_hold"].value + f["scheduling"].value + i.queue_wait_s
     f["restart_requeue"] = Figure(spare_s + slurm_s, "s", (

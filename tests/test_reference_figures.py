@@ -44,12 +44,14 @@ def test_bulk_times_halve_when_the_bandwidth_doubles():
 
 def test_stalls_and_restarts_are_the_sums_of_their_parts():
     f, m = figures(), MEASURED
+    broadcast = m.metadata_pickle_s + m.metadata_unpickle_s  # DCP's broadcast of .metadata
     assert f["stall_sync"].value == pytest.approx(
-        m.save_control_plane_s + m.dcp_plan_s + f["bulk_write"].value + m.metadata_unpickle_s)
-    assert f["stall_async"].value == pytest.approx(m.save_control_plane_s + f["staging"].value)
+        m.save_control_plane_s + m.dcp_plan_cached_s + f["bulk_write"].value + broadcast)
+    assert f["stall_async"].value == pytest.approx(m.save_gather_s + f["staging"].value)
+    assert m.save_gather_s < m.save_control_plane_s
     assert f["staging"].value == pytest.approx(f["staged_per_rank"].value / DEFAULT_INPUTS.d2h_gbs)
     spare = (f["detect"].value + f["process_start"].value + f["dist_init"].value
-             + m.restore_control_plane_s + m.metadata_unpickle_s + f["dcp_load_plan"].value
+             + m.restore_control_plane_s + m.metadata_restricted_s + broadcast + f["dcp_load_plan"].value
              + f["bulk_read"].value)
     assert f["restart_spare"].value == pytest.approx(spare)
     assert f["restart_requeue"].value == pytest.approx(
