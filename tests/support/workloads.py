@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.torch_native import NativeTorchAdapter
+from resume.adapters.torch_native import NativeTorchAdapter, allreduce_each_gradient
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,6 +70,11 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     np.random.seed(setup.seed)
     model = TinyGPT(CFG)
     ddp = DDP(model) if world > 1 else model
+    if world > 2:
+        # Above 2 ranks a bucketed all-reduce's sums depend on DDP's bucket layout, which a
+        # restarted job builds anew: averaged parameter by parameter, a resumed run stays
+        # bitwise the run that was never stopped (as the drill does, test_drill_gradient_averaging).
+        ddp.register_comm_hook(state=None, hook=allreduce_each_gradient)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(3, setup.total_updates))
     dataset = SyntheticTokens(num_samples=24, cfg=CFG)
