@@ -89,7 +89,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.dcp_io import make_writer
-from resume.adapters.dcp_plan_cache import CachingSavePlanner
+from resume.adapters.dcp_plan_cache import CachingSavePlanner, forget
 from resume.adapters.dcp_safe import restricted_load_metadata
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -101,7 +101,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import (
     SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -673,23 +672,16 @@ def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
     return plans  # type: ignore[return-value]
 
 
-def _clear_plan_cache() -> None:
-    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
-                 "_cached_final_save_plan"):
-        cache = getattr(SavePlanner, name, None)
-        if isinstance(cache, dict):
-            cache.clear()
-
-
 def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     started = time.perf_counter()
     plans = local_plans(layout, tensors)
     build_s = time.perf_counter() - started
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
-    _clear_plan_cache()
     # The planner NativeTorchAdapter saves with (adapters/dcp_plan_cache.py): DCP's caching,
     # reused only for plans equal in every field.
-    planner = CachingSavePlanner(f"scale-{layout.ranks}", flatten_state_dict=False)
+    key = f"scale-{layout.ranks}"
+    forget(key)
+    planner = CachingSavePlanner(key, flatten_state_dict=False)
     with quiet():
         started = time.perf_counter()
         global_plan, metadata = planner.create_global_plan(plans)
@@ -704,7 +696,7 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     items = sum(len(p.items) for p in global_plan)
     metadata_path, shard_sizes = write_metadata(layout, root, global_plan, metadata)
     del plans, global_plan, delta, metadata, planner
-    _clear_plan_cache()
+    forget(key)
     gc.collect()
     return {
         "dcp_plans_build_s": build_s,
