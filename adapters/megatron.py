@@ -72,7 +72,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from resume.cluster.environment import JobEnvironment
+from .environment import JobEnvironment
 
 from resume.checksum import digest_parts
 from resume.collective import Collective

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from resume.cluster.environment import JobEnvironment
+from .environment import JobEnvironment
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -498,7 +498,7 @@ class NativeTorchAdapter(Adapter):
 
     @property
     def job_id(self) -> str | None:
-        """Slurm's job id or torchrun's run id (``resume.cluster.environment``): the lease
+        """Slurm's job id or torchrun's run id (``resume.adapters.environment``): the lease
         holder's name, the same in the job's requeued and restarted copies."""
         return JobEnvironment.from_env().job_id
 

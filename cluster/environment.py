@@ -1,39 +1,9 @@
-"""The job as its cluster describes it: a mapping of environment variables in, facts out.
+"""The job's identity from its environment: ``resume.adapters.environment``, re-exported here.
 
-submitit's ``JobEnvironment`` idea: the one place that reads a cluster's
-variables, built from a mapping (``os.environ`` by default) so a test passes a
-dict. The core (``resume/``) reads none of them; an adapter asks this class and
-hands the facts in (``Adapter.job_id`` -> ``Lease.take(..., job_id=...)``).
+The adapters hand the job id to the lease and never import ``resume.cluster``, so
+the class lives with them; the cluster layer names it from here as before.
 """
 
-from __future__ import annotations
-
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-from resume.lease import JOB_ID_ENV
+from resume.adapters.environment import JOB_ID_VARIABLES, JobEnvironment
 
 __all__ = ["JOB_ID_VARIABLES", "JobEnvironment"]
-
-JOB_ID_VARIABLES = (JOB_ID_ENV, "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
-"""Where the job's identity is read, first set wins: ours (set by hand), Slurm's (kept
-across a requeue), torchrun's (kept across its restarts)."""
-
-
-@dataclass(frozen=True)
-class JobEnvironment:
-    """What the cluster's environment says about this job."""
-
-    env: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> JobEnvironment:
-        """A snapshot of ``env``, by default this process's environment."""
-        return cls(dict(os.environ if env is None else env))
-
-    @property
-    def job_id(self) -> str | None:
-        """The job's identity, the same in every copy of it across requeues and restarts
-        (``JOB_ID_VARIABLES``, first set wins); None outside any such job."""
-        return next((self.env[name] for name in JOB_ID_VARIABLES if self.env.get(name)), None)

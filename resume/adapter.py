@@ -119,7 +119,7 @@ class Adapter(ABC):
     @property
     def job_id(self) -> str | None:
         """The job's identity, kept across requeues and restarts, from the cluster layer
-        (``resume.cluster.environment``); the lease names its holder with it. None: the
+        (``resume.adapters.environment``); the lease names its holder with it. None: the
         lease uses ``RESUME_JOB_ID``, else ``host:pid``."""
         return None
 

@@ -22,7 +22,7 @@ would lock the run out for good is stale with a warning: a heartbeat more than
 host is "not this process".
 
 The job id is the caller's: the adapter's ``job_id``, which the cluster layer
-reads from the cluster's environment (``resume.cluster.environment``: Slurm's job
+reads from the cluster's environment (``resume.adapters.environment``: Slurm's job
 id, torchrun's run id, both kept across restarts); else ``RESUME_JOB_ID``; else
 ``host:pid``, which no restart keeps. This module reads no cluster's variables.
 
