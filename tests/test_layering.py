@@ -9,6 +9,10 @@ layer, which may reach every layer) is parsed with ``ast`` and must not:
   neither is installed, and adapters hand it what it needs (``resume.comm.Comm``);
 - name a cluster's environment variable (a string starting with ``SLURM_`` or
   ``TORCHELASTIC_``): ``cluster/`` reads the environment and passes the facts in.
+
+Over the whole product (``resume/``, ``adapters/``, ``cluster/``, ``drill/``), the import
+graph (every import: lazy and type-only ones too) has no circle, ``resume.adapters``
+never imports ``resume.cluster``, and no module takes another module's private name.
 """
 
 from __future__ import annotations
@@ -135,3 +139,153 @@ def test_relative_imports_are_resolved_from_the_modules_own_package():
     assert layering_violations("from ..adapters import data\n", "sub/x.py") == [
         "resume/sub/x.py:1: imports resume.adapters (an edge; the core never imports one)"]
     assert layering_violations("from .adapters import data\n", "sub/x.py") == []  # resume.sub.adapters
+
+
+# -- The import graph of the whole product: resume/, adapters/, cluster/, drill/ ------------------------------
+
+REPO = CORE.parent
+PACKAGES = {"resume": "resume", "adapters": "resume.adapters", "cluster": "resume.cluster", "drill": "resume.drill"}
+"""Each folder of the repository and the package it installs as (pyproject.toml's package-dir)."""
+
+
+def module_name(folder: str, rel: Path) -> str:
+    """``adapters/dcp/io.py`` -> ``resume.adapters.dcp.io``; a package's ``__init__.py`` is the package."""
+    parts = [p for p in rel.with_suffix("").parts if p != "__init__"]
+    return ".".join([PACKAGES[folder], *parts])
+
+
+def product_modules(root: Path = REPO) -> dict[str, tuple[str, str]]:
+    """Every module of the product: its dotted name -> (path relative to the repository, source)."""
+    found = {}
+    for folder in PACKAGES:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder)
+            found[module_name(folder, rel)] = (f"{folder}/{rel.as_posix()}", path.read_text())
+    return found
+
+
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of a module: at module level, inside a function, under ``if TYPE_CHECKING:``. A lazy or
+    type-only import hides a circle from Python, not from a reader: both modules still need each other."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def import_edges(name: str, path: str, source: str, known: set[str]) -> list[tuple[int, str, str | None]]:
+    """(line, module imported, name taken from it or None) for each of our modules that ``name`` imports.
+
+    ``from pkg import mod`` (a submodule) is an edge to the submodule, not to the package's ``__init__``:
+    Python runs the package first, but it is already being imported by then, as for every submodule."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    edges = []
+    for node in _all_imports(ast.parse(source, filename=path)):
+        if isinstance(node, ast.Import):
+            edges += [(node.lineno, alias.name, None) for alias in node.names if alias.name in known]
+            continue
+        base = _imported(node, package)[0]
+        for alias in node.names:
+            if f"{base}.{alias.name}" in known:
+                edges.append((node.lineno, f"{base}.{alias.name}", None))
+            elif base in known:
+                edges.append((node.lineno, base, alias.name))
+    return [(line, target, taken) for line, target, taken in edges if target != name]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            component.append(v)
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def graph_violations(modules: dict[str, tuple[str, str]]) -> list[str]:
+    """Import circles, ``resume.adapters`` importing ``resume.cluster``, and private names taken across modules."""
+    known, graph, found = set(modules), {}, []
+    for name, (path, source) in modules.items():
+        edges = import_edges(name, path, source, known)
+        graph[name] = {target for _, target, _ in edges}
+        for line, target, taken in edges:
+            if name.startswith("resume.adapters") and _is_under(target, ("resume.cluster",)):
+                found.append(f"{path}:{line}: imports {target} (the adapters never import the cluster layer; "
+                             "the cluster passes the facts in)")
+            if taken and taken.startswith("_") and not taken.startswith("__"):
+                found.append(f"{path}:{line}: imports {target}'s private name {taken} "
+                             "(make it public where it belongs, or move it)")
+    found += [f"import circle: {' <-> '.join(cycle)}" for cycle in import_cycles(graph)]
+    return found
+
+
+def test_the_product_has_no_import_circle_no_adapter_to_cluster_import_and_no_private_name_across_modules():
+    modules = product_modules()
+    assert {"resume", "resume.adapters", "resume.cluster", "resume.drill"} <= set(modules), sorted(modules)[:5]
+    violations = graph_violations(modules)
+    assert not violations, "the import graph breaks the layering:\n  " + "\n  ".join(violations)
+
+
+def _modules(**sources: str) -> dict[str, tuple[str, str]]:
+    """Synthetic modules for the check's own tests: ``resume__run="..."`` is ``resume/run.py``."""
+    made = {}
+    for key, source in sources.items():
+        parts = key.split("__")
+        folder, rest = parts[0], parts[1:]
+        is_package = rest[-1:] == ["init"]
+        rel = Path(*rest[:-1], "__init__.py") if is_package else Path(*rest).with_suffix(".py")
+        made[module_name(folder, rel)] = (f"{folder}/{rel.as_posix()}", source)
+    return made
+
+
+@pytest.mark.parametrize("sources, what", [
+    ({"resume__a": "from .b import x\n", "resume__b": "from .a import y\n"},
+     "import circle: resume.a <-> resume.b"),
+    ({"resume__a": "def f():\n    from resume import b\n", "resume__b": "import resume.a\n"},
+     "import circle: resume.a <-> resume.b"),  # a lazy import is an edge too
+    ({"resume__a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
+      "resume__b": "from .a import A\n"}, "import circle: resume.a <-> resume.b"),  # and a type-only one
+    ({"adapters__megatron__init": "from .ckpt import LAYOUT\n",
+      "adapters__megatron__ckpt": "from resume.adapters.megatron import install\n"},
+     "import circle: resume.adapters.megatron <-> resume.adapters.megatron.ckpt"),
+    ({"adapters__torch_native": "from resume.cluster.environment import JobEnvironment\n",
+      "cluster__environment": "X = 1\n"},
+     "adapters/torch_native.py:1: imports resume.cluster.environment (the adapters never import"),
+    ({"adapters__x": "def f():\n    import resume.cluster.slurm\n", "cluster__slurm": "X = 1\n"},
+     "adapters/x.py:2: imports resume.cluster.slurm"),
+    ({"adapters__adopt": "from .megatron import _config\n", "adapters__megatron": "_config = 1\n"},
+     "adapters/adopt.py:1: imports resume.adapters.megatron's private name _config"),
+    ({"cluster__hook": "from resume.run import _utc\n", "resume__run": "_utc = 1\n"},
+     "cluster/hook.py:1: imports resume.run's private name _utc"),
+])
+def test_the_graph_check_names_each_kind_of_violation(sources, what):
+    found = graph_violations(_modules(**sources))
+    assert len(found) == 1 and what in found[0], found
+
+
+@pytest.mark.parametrize("sources", [
+    {"resume__a": "from . import b\n", "resume__b": "X = 1\n", "resume__init": "from .a import b\n"},
+    {"cluster__hook": "from resume.adapters.megatron import LAYOUT\n", "adapters__megatron": "LAYOUT = 1\n"},
+    {"adapters__x": "from torch.distributed.checkpoint.state_dict import _get_fqns\n"},  # not ours
+    {"resume__a": "from .b import __version__\n", "resume__b": "__version__ = '1'\n"},
+])
+def test_the_graph_check_passes_what_the_layers_may_do(sources):
+    assert graph_violations(_modules(**sources)) == []
