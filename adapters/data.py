@@ -252,14 +252,12 @@ def load_loader_state(loader: Any, state: Any) -> None:
 def _iterator_as_saved(loader: Any) -> None:
     """Make the restored iterator now without touching any generator.
 
-    Every DataLoader iterator draws its workers' base seed from torch's generator (or the
-    loader's ``generator``) when it is made. The run that saved made its iterator before
-    the save and the random state it saved is after that draw; a restarted run that drew
-    again would run its dropout (anything random) one draw off. ``state_dict()`` makes the
-    iterator from the loaded state and keeps it for the next ``iter(loader)``; the base seed
-    then comes from the saved state. (A state taken before the first iteration is left to
-    draw when the iterator is made, after the random state is restored, as the saving run did.)
-    """
+        Every DataLoader iterator draws its workers' base seed from a generator when it is made; the
+        saving run drew before its saved random state, so a restart that drew again would run one
+        draw off. ``state_dict()`` makes the iterator from the loaded state and keeps it for the next
+        ``iter(loader)``. A state taken before the first iteration is left to draw, as the saving run
+        did.
+        """
     generator = getattr(loader, "generator", None)
     saved = generator.get_state() if generator is not None else None
     with torch.random.fork_rng(devices=[]):

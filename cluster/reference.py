@@ -325,7 +325,7 @@ def simulate_defaults(inputs: Inputs = DEFAULT_INPUTS) -> dict[str, Figure]:
 
 
 def markdown_table(figs: dict[str, Figure]) -> str:
-    """The table README.md and runbooks/slurm.md carry (``resume simulate --reference``); the
+    """The table docs/performance.md and runbooks/slurm.md carry (``resume simulate --reference``); the
     benchmark run behind every measured row is named once, under it."""
     rows = ["| figure | value | source |", "|---|---:|---|"]
     rows += [f"| {LABELS[key]} | {fig.shown()} | {fig.source.replace(MEASURED_BY, 'scale run')} |"
