@@ -104,6 +104,46 @@ def broken_links(doc: pathlib.Path, text: str) -> list[str]:
             for target in LINK.findall(line) if not (doc.parent / target).exists()]
 
 
+# `Class.member` in backticks, e.g. `Run.find_latest`, `StepCommit.finalize`, `Coordinator.save()`.
+MEMBER = re.compile(r"`([A-Z]\w*)\.([a-z_]\w*)")
+
+
+def our_classes() -> dict[str, set[str]]:
+    """Every class of resume/, adapters/, cluster/, drill/ with the members it defines or inherits
+    from another class of ours (by base-class name)."""
+    members: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for folder in ("resume", "adapters", "cluster", "drill"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                names = members.setdefault(node.name, set())
+                bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        names.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        names.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+
+    def all_members(name: str, seen: frozenset = frozenset()) -> set[str]:
+        found = set(members.get(name, ()))
+        for base in bases.get(name, ()):
+            if base in members and base not in seen:
+                found |= all_members(base, seen | {name})
+        return found
+
+    return {name: all_members(name) for name in members}
+
+
+def missing_members(text: str, where: str, classes: dict[str, set[str]]) -> list[str]:
+    """`where:line: Class.member` for every member named of one of our classes that it lacks."""
+    return [f"{where}:{n}: {cls}.{member}" for n, line in enumerate(text.splitlines(), 1)
+            for cls, member in MEMBER.findall(line) if cls in classes and member not in classes[cls]]
+
+
 def docstrings_and_comments(path: pathlib.Path) -> list[tuple[int, str]]:
     """(first line, text) of every docstring and comment of a Python file."""
     source = path.read_text()
@@ -122,9 +162,11 @@ def docstrings_and_comments(path: pathlib.Path) -> list[tuple[int, str]]:
 
 def missing_everywhere() -> list[str]:
     missing = []
+    classes = our_classes()
     for doc in DOCUMENTS:
         missing += missing_in(doc.read_text(), str(doc.relative_to(ROOT)))
         missing += broken_links(doc, doc.read_text())
+        missing += missing_members(doc.read_text(), str(doc.relative_to(ROOT)), classes)
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for line, text in docstrings_and_comments(path):
@@ -149,6 +191,12 @@ def test_the_detector_catches_a_missing_path_and_module():
         "x.md:13: docs/no-such-page.md",
         "x.md:14: resume.adapters.data.NoSuchLoader",
     ]
+
+
+def test_a_documented_member_of_our_classes_must_exist():
+    classes = our_classes()
+    text = "`Run.find_latest` and `Run.no_such_method()`; `StepCommit.finalize`; `FileSystemWriter.finish`\n"
+    assert missing_members(text, "x.md", classes) == ["x.md:1: Run.no_such_method"]
 
 
 def test_a_link_is_resolved_from_its_document(tmp_path):
