@@ -1,58 +1,20 @@
 """Data position that survives restarts and resizes.
 
-``GlobalPositionSampler`` is a batch sampler whose whole state is the global
-sample offset: global batch ``b`` is made of the samples at global positions
-``[b*G, (b+1)*G)`` of a seeded per-epoch permutation, and rank ``r`` of ``W``
-takes the ``r``-th contiguous slice of it. The global sample stream is thus
-the same for any data-parallel size; only who computes which slice changes.
+``GlobalPositionSampler`` is a batch sampler whose whole state is the global sample offset:
+global batch ``b`` is the samples at positions ``[b*G, (b+1)*G)`` of a seeded per-epoch
+permutation, and rank ``r`` of ``W`` takes the ``r``-th contiguous slice, so the global sample
+stream is the same for any data-parallel size. ``StatefulLoader`` makes batches of a map-style
+dataset with it in the training process (no prefetch): its state is exact at every boundary.
+``IndexedDataset`` adds each sample's index as ``ids``, which the continuity check records; with
+it and the sampler, torchdata's ``StatefulDataLoader`` with workers continues with exactly the
+next batch (this module never imports torchdata; save ``loader.state_dict()``, never the
+sampler's).
 
-``StatefulLoader`` turns a map-style dataset and that sampler into batches in
-the training process (no prefetch), so its state is exact at every boundary.
-Any other loader with ``state_dict``/``load_state_dict`` works with the
-adapter too.
-
-torchdata's ``StatefulDataLoader`` (optional: ``pip install torchdata>=0.11``;
-this module never imports it) with worker processes::
-
-    loader = StatefulDataLoader(IndexedDataset(dataset), num_workers=2,
-                                batch_sampler=GlobalPositionSampler(len(dataset), global_batch,
-                                                                    rank=rank, world_size=dp))
-
-continues with exactly the next batch across a kill, on the same and on another
-data-parallel size (global batch kept). The workers prefetch, so the sampler
-in the training process runs ``prefetch_factor * num_workers`` batches ahead
-of what the loop got; the loader's ``state_dict`` is right all the same (it
-snapshots the sampler's state as each batch's indices are drawn and hands out
-the one of the last batch yielded), and that is what the adapter saves (read
-``loader.state_dict()``, never ``sampler.state_dict()``, with workers). The
-saved state is the global offset, so a rank of another data-parallel size
-takes it as it is. ``IndexedDataset`` adds each sample's index as ``ids``,
-what the continuity check records. Every DataLoader iterator draws its
-workers' seed from torch's generator when it is made: the restored iterator is
-made without that draw (the saved random state is after the saving run's), so
-dropout and the like go on bitwise. ``loader_state``/``load_loader_state`` wrap
-the loader's state with what a restore must check first:
-
-* ``num_workers`` must be as saved (torchdata keeps one state per worker and
-  refuses another count with an assertion): ``ContinuityError`` ``data.num_workers``.
-* torch's ``DistributedSampler`` (or torchdata's ``StatefulDistributedSampler``)
-  as ``sampler=`` continues exactly on the same data-parallel size (its state
-  is this rank's count of samples drawn, and the user's ``set_epoch`` must put
-  the epoch back), but not on another one: that count is not a position in the
-  global stream (restored on 1 of 2 ranks it would resume at half the global
-  position). Restored on another size it is refused, ``ContinuityError``
-  ``data.sampler.num_replicas``, naming ``GlobalPositionSampler`` as the way.
-* Another sampler class than the one saved: ``ContinuityError`` ``data.sampler``.
-* ``in_order=False``: torchdata gives no guarantee for its state with workers,
-  so it is refused when iterated or saved (``UsageError``), before a wrong next
-  batch could be recorded.
-
-Anything else (an ``IterableDataset`` with its own state, a custom sampler) is
-saved as the loader gives it; the continuity check then compares the first
-batch after the restore with the one recorded at the save. Randomness inside
-the workers (augmentation) restarts from each worker's seed after a restore
-unless the dataset itself is ``Stateful`` (torchdata then saves each worker's
-copy of its state).
+``loader_state``/``load_loader_state`` wrap a loader's state with what a restore checks first;
+each refusal is a ``ContinuityError`` naming its item: ``data.num_workers`` (another worker
+count), ``data.sampler`` (another sampler class), ``data.sampler.num_replicas`` (a
+``DistributedSampler`` restored on another data-parallel size). ``in_order=False`` with workers
+is a ``UsageError``. Loaders and their limits: docs/pytorch.md.
 """
 
 from __future__ import annotations
@@ -290,14 +252,12 @@ def load_loader_state(loader: Any, state: Any) -> None:
 def _iterator_as_saved(loader: Any) -> None:
     """Make the restored iterator now without touching any generator.
 
-    Every DataLoader iterator draws its workers' base seed from torch's generator (or the
-    loader's ``generator``) when it is made. The run that saved made its iterator before
-    the save and the random state it saved is after that draw; a restarted run that drew
-    again would run its dropout (anything random) one draw off. ``state_dict()`` makes the
-    iterator from the loaded state and keeps it for the next ``iter(loader)``; the base seed
-    then comes from the saved state. (A state taken before the first iteration is left to
-    draw when the iterator is made, after the random state is restored, as the saving run did.)
-    """
+        Every DataLoader iterator draws its workers' base seed from a generator when it is made; the
+        saving run drew before its saved random state, so a restart that drew again would run one
+        draw off. ``state_dict()`` makes the iterator from the loaded state and keeps it for the next
+        ``iter(loader)``. A state taken before the first iteration is left to draw, as the saving run
+        did.
+        """
     generator = getattr(loader, "generator", None)
     saved = generator.get_state() if generator is not None else None
     with torch.random.fork_rng(devices=[]):

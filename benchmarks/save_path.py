@@ -2,47 +2,17 @@
 
     python benchmarks/save_path.py [--gib 2] [--runs 3] [--pause 3] [--dir DIR] [--json]
 
-State: a stack of fp32 ``nn.Linear`` layers whose weights plus AdamW ``exp_avg`` and
-``exp_avg_sq`` (12 bytes per parameter) total ``--gib``, after real AdamW steps, with a
-``LambdaLR`` warm-up and the library's loader (``GlobalPositionSampler`` + ``StatefulLoader``
-over a small map dataset of dict samples). One process, no process group (``LocalComm``).
-The loop is the README's: batches from ``coord.batches()``, forward, backward, AdamW and
-scheduler step, ``coord.update()``.
-
-Each run measures, ours and plain alternating (``ours, plain`` in even runs, ``plain, ours``
-in odd ones, so that drift favours neither):
-
-- ``save``: ``Coordinator.save()`` (checksums, fdatasync, directory fsyncs, manifest commit)
-  against ``get_state_dict`` + ``dcp.save(..., checkpoint_id=dir)`` (FileSystemWriter
-  defaults: ``sync_files=True`` fsyncs each file) + ``torch.save`` of the scheduler and
-  loader state beside it (not fsynced: what a user writes);
-- ``async stall``: the wall time of the ``coord.update()`` that starts a scheduled async save
-  (``Coordinator(..., async_save=True, every=N)``, at the iteration that is due) against
-  ``get_state_dict`` + ``dcp.async_save(...)`` returning (its staging copy) + the small
-  ``torch.save``; both writes are then waited for outside the timed region;
-- ``restore``: ``Coordinator.restore()`` (checksum verification on, the default, and the
-  continuity check) into a fresh model, optimizer, scheduler and loader, against
-  ``get_state_dict`` on the fresh objects (creates AdamW's state) + ``dcp.load`` +
-  ``set_state_dict`` + the scheduler's and loader's ``load_state_dict``. The page cache is
-  dropped before each (``/proc/sys/vm/drop_caches`` when permitted, else the checkpoint's
-  pages by ``posix_fadvise``). Building the fresh objects and the Coordinator is outside the
-  timed region on both sides.
-
-``update()`` without a save is timed on every not-due iteration of the loop that leads to
-each async save (``--every`` - 1 calls per run; the batch draw and the skipped step are
-outside the timed call; ``applied=False`` so that the optimizer need not step 1,000 times:
-the call does the same work either way). The sync saves go through the same Coordinator
-(``coord.save()`` at an iteration that is not due: the same synchronous path as with
-``every=0``). ``keep`` is large and older checkpoints are removed between runs, outside the
-timed regions, so retention deletes nothing inside a save.
-
-Figures are medians over the runs (``update_us``: the mean over all calls). The last line
-with ``--json`` is one JSON object: ``save_vs_dcp`` and ``restore_vs_dcp_load`` are the plain
-tool's time / ours (higher is faster), ``async_stall_vs_dcp_async`` is ours / DCP's (lower is
-better), ``update_us`` in microseconds; ``per_run`` gives the ratios of each run and which
-side went first (an even ``--runs`` gives each side each position equally). ``--profile N``
-adds a cProfile of one more ``save()``, async stall and ``restore()``: the top N functions by
-cumulative time.
+State: fp32 ``nn.Linear`` layers whose weights and AdamW moments total ``--gib``, a ``LambdaLR``
+warm-up and the library's loader, in one process (``LocalComm``); the loop is the README's.
+Each run times, ours and plain alternating first: ``save`` (``Coordinator.save()`` against
+``get_state_dict`` + ``dcp.save`` + ``torch.save`` of the small state), ``async stall`` (the
+``coord.update()`` that starts a scheduled async save against ``dcp.async_save`` returning),
+``restore`` into fresh objects with the page cache dropped (``Coordinator.restore()`` against
+``dcp.load`` + ``set_state_dict``), and ``update()`` without a save. Figures are medians over the
+runs; the last line with ``--json`` is one JSON object: ``save_vs_dcp`` and
+``restore_vs_dcp_load`` are plain / ours (higher is faster), ``async_stall_vs_dcp_async`` is
+ours / DCP's (lower is better), ``update_us`` in microseconds, ``per_run`` each run's ratios.
+``--profile N`` adds a cProfile of one more of each. The method in full: docs/performance.md.
 """
 
 from __future__ import annotations

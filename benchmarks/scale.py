@@ -3,62 +3,16 @@
     python benchmarks/scale.py [--ranks 8,64,640,5120] [--tensors-per-rank 1000] [--saves 6]
                                [--unpickle-cap-mb 64] [--dir DIR] [--json]
 
-Layout for N ranks: TP = min(8, N), PP = min(8, N / TP), DP = the rest (5,120 = TP8 x PP8 x DP80,
-the reference); 24 samples per data-parallel rank per global batch (global batch 24 x DP).
-
-What runs for real, and what is synthesized
--------------------------------------------
-Rank 0 runs the library's own code, unchanged: a ``Coordinator`` over a ``NativeTorchAdapter``
-(AdamW, ``LambdaLR``, ``GlobalPositionSampler`` + ``StatefulLoader``; a model of
-``--tensors-per-rank`` / 4 parameters named like Megatron's, each of 4 elements), on local
-storage. ``coord.save()`` is the real save: ``StepCommit`` (prepare, write, finalize),
-``Collective`` over the ``Comm`` it is given, ``Expectation.assemble``, the manifest
-(``Manifest.to_json`` / ``Run.write_manifest``), ``LATEST``, retention (``Run.apply_retention``,
-``keep=3``). ``coord.restore()`` is the real restore: discovery (``Run.find_latest``: the
-commit check of every listed file), checksum verification of the rank's share, the rank state,
-DCP's metadata, the load and the continuity check.
-
-The ``Comm`` is ``SimComm``: N ranks inside this process. Its collectives deliver what torch's
-would, and count the bytes each rank would receive (the pickle size of every part a rank gets
-from another one). What the other N - 1 ranks contribute is synthesized from rank 0's part, in
-the same structure and of the same size the real code produces on them (``synthesize``): each
-rank's RNG digest and optimizer fingerprint (other values), its data-parallel rank's 24 sample
-ids and digests (TP and PP peers describe the same samples, as a Megatron-style loader gives
-them), its file records (``rank-<r>.json`` and ``__<r>_0.distcp``: hard links to rank 0's, so
-that the commit check, discovery and retention stat and list 2N + 1 files as they would). A
-part of any other shape is delivered as rank 0's, unchanged. The time spent synthesizing and
-pickling the other ranks' parts (their work, done in parallel) is not rank 0's and is
-subtracted; unpickling every part a collective delivers to rank 0 is its work and is counted.
-
-The restore is run three times: on rank 0 (recording what it broadcasts) and on two other ranks
-(1 and N - 1) that replay rank 0's broadcasts, each on a ``Comm`` whose gathered parts are the
-ones rank 0 saw. Every file each of them opens for reading is recorded (a Python audit hook on
-``open``), so "readers per file" comes from the code as it is: a path both replayed ranks open
-counts as opened by every rank but 0, a path only one of them opens as opened by one rank each.
-Shard files (``*.distcp``) are bulk I/O and reported apart; everything else is counted at its
-whole size per open (the files are small and read whole).
-
-DCP's own part is synthetic: local save plans shaped like the reference layout's shards (per
-rank: P = tensors/4 model tensors of 1536 x 20480 bf16, TP-sharded and replicated over DP, and
-3P optimizer tensors (fp32 param, exp_avg, exp_avg_sq), flat and sharded over TP x DP, as
-Megatron-Core's ``fully_sharded_model_space`` distributed optimizer gives them), passed to the
-real ``create_global_plan`` of the planner ``NativeTorchAdapter`` saves with
-(``dcp_plan_cache.CachingSavePlanner``: DCP's ``enable_plan_caching``) twice: the first call
-has no cache (the same work as with caching off: dedup, global plan, validation), the second
-gets the unchanged ranks' empty plans, as cached local planners send them. Its metadata and
-synthetic write results go through the real ``FileSystemWriter.finish`` (our
-``dcp_io.make_writer``), which writes ``.metadata``; that file is read back with our
-``dcp_safe.restricted_load_metadata`` (bounded by the shard sizes) and with plain
-``pickle.loads``. Above ``--unpickle-cap-mb`` the restricted unpickle is not run: its time is
-extrapolated from the largest measured size at the same seconds per byte (``"extrapolated"``).
-The restore's reads of ``.metadata`` are counted at this synthetic file's size (the file on disk
-is rank 0's tiny one).
-
-What is not simulated: network latency and bandwidth (bytes are counted, not timed), storage
-latency at scale (the local disk answers), other ranks' own CPU time (parallel to rank 0's).
-
-The last line with ``--json`` is one JSON object; ``ranks`` maps each N (a string) to its
-figures, ``growth`` gives the ratios from the second-largest to the largest N.
+Layout for N ranks: TP = min(8, N), PP = min(8, N / TP), DP = the rest; 24 samples per
+data-parallel rank per global batch. Rank 0 runs the library's own save and restore unchanged
+(``Coordinator`` over ``NativeTorchAdapter``, ``StepCommit``, ``Collective``, the manifest,
+retention, discovery, the continuity check) over ``SimComm``, N ranks in this process that count
+the bytes each rank receives; the other ranks' parts are synthesized in the shape and size the
+real code gives them (``synthesize``), and their own work is not counted as rank 0's. DCP's global
+planning and ``.metadata`` run for real on synthetic plans shaped like the reference layout's.
+Not simulated: network and storage latency at scale, other ranks' CPU time. The method in full
+and the figures: docs/performance.md. The last line with ``--json`` is one JSON object: ``ranks``
+maps each N to its figures, ``growth`` gives the ratios from the second-largest to the largest N.
 """
 
 from __future__ import annotations
@@ -677,7 +631,7 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     plans = local_plans(layout, tensors)
     build_s = time.perf_counter() - started
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
-    # The planner NativeTorchAdapter saves with (adapters/dcp_plan_cache.py): DCP's caching,
+    # The planner NativeTorchAdapter saves with: DCP's caching,
     # reused only for plans equal in every field.
     key = f"scale-{layout.ranks}"
     forget(key)

@@ -11,8 +11,8 @@ parameter), in 64 tensors. Each run measures, in this order:
   keeps its faster time, so a host caching the virtual disk favours none of them;
 - ``torch.save``: one file, then fsync;
 - ``dcp``: torch.distributed.checkpoint's FileSystemWriter with ``sync_files=True``;
-- ``durable``: ours (adapters/dcp_io: checksums while writing, early writeback, fdatasync,
-  directory fsync), as the native adapter saves;
+- ``durable``: ours, as the native adapter saves (checksums while writing, early writeback,
+  fdatasync, directory fsync);
 - ``durable_nosum``: the same without the checksums (for the checksum overhead);
 - ``durable_zstd``: ours with zstandard on every item (and the bytes it wrote);
 - ``stall``: what an asynchronous save blocks the loop for (the staging copy);

@@ -1,12 +1,7 @@
 """The crash-loop stop: when the requeue hook gives up on a job that keeps failing.
 
-A step that fails again and again at the same place would be relaunched and
-requeued for ever, burning the allocation. The hook records each failure on
-healthy nodes with the newest committed step at that moment, and asks this
-policy whether to stop::
-
-    policy = CrashLoopPolicy(3)
-    policy.should_stop(state.failures)   # True: exit 5, no requeue
+The hook records each failure on healthy nodes with the newest committed step at that moment
+and asks the policy; ``CrashLoopPolicy(3).should_stop(failures)`` true means exit 5, no requeue.
 """
 
 from __future__ import annotations

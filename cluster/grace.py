@@ -1,24 +1,14 @@
 """The grace budget: how long before Slurm's kill the hook must hear of it.
 
-``resume slurm template`` writes it as ``--signal=B:USR1@<grace>`` and passes the
-same number to the hook (``--grace``); the hook, started without one, computes
-it the same way. Of the budget, the hook waits ``grace - STOP_MARGIN_S`` for the
-save; the rest is for stopping the step and requeueing.
+One formula, for ``resume slurm template`` (``--signal=B:USR1@<grace>``) and for the hook
+started without ``--grace``::
 
-One formula::
+    grace = 2 x slowest recent save + BOUNDARY_S + STOP_MARGIN_S     (UNMEASURED_S before any save)
 
-    grace = 2 x slowest recent save + BOUNDARY_S + STOP_MARGIN_S    (300 s before any save was measured)
-
-- twice the slowest of the last ``RECENT_SAVES`` committed saves (``timing.save_s``
-  in their manifests): a save under load, on a busier file system, may take
-  longer than any seen so far;
-- ``BOUNDARY_S`` for the training to reach its next iteration boundary and read
-  the request in the run's control area;
-- ``STOP_MARGIN_S`` for the step to leave and the job to be requeued.
-
-A committed manifest without ``save_s`` (Megatron's, which times only its manifest),
-or with a value that is not a number >= 0, measured nothing: it is one of the recent
-checkpoints but adds no time. Only the newest committed checkpoints are checked.
+The slowest of the last ``RECENT_SAVES`` committed saves (``timing.save_s`` in their manifests;
+a manifest without a valid one counts but adds no time); ``BOUNDARY_S`` for the training to reach
+an iteration boundary and read the request; ``STOP_MARGIN_S`` for the step to leave and the job
+to be requeued. The hook waits ``grace - STOP_MARGIN_S`` for the save.
 """
 
 from __future__ import annotations

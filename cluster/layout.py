@@ -1,16 +1,11 @@
 """The parallel layout: global rank <-> node <-> (tp, cp, dp, pp), replicas, spares, elastic sizes.
 
-Megatron's default rank order (``tp-cp-ep-dp-pp``, EP = 1 here): the tensor-
-parallel rank varies fastest, then context-parallel, then data-parallel, and
-the pipeline stage slowest::
+Megatron's default rank order (``tp-cp-ep-dp-pp``, EP = 1)::
 
     rank = tp + TP * (cp + CP * (dp + DP * pp))
 
-With TP = GPUs per node, a node holds one (cp, dp, pp) slice; the nodes of one
-model replica (a fixed dp) are one per pipeline stage (and cp rank), so one
-failed node takes that whole replica out. The global batch must be split into
-equal micro-batches on every data-parallel rank: the valid data-parallel sizes
-are those that divide ``global_batch / micro_batch``.
+With TP = GPUs per node, one failed node takes its whole model replica out. The valid
+data-parallel sizes are those that divide ``global_batch / micro_batch``.
 """
 
 from __future__ import annotations

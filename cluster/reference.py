@@ -1,32 +1,17 @@
 """The reference run's save and restart costs, each figure with where it came from.
 
-The reference run: a 500B-parameter model on 640 nodes x 8 GPUs = 5,120 ranks,
-TP8 x PP8 x DP80 (``layout.REFERENCE``), Megatron-Core, bf16 weights with fp32
-master weights and AdamW moments in a distributed optimizer. It cannot run here,
-so its figures come in three kinds, and every ``Figure`` says which in its
-``source``:
+The reference run (``layout.REFERENCE``: a 500B-parameter model, TP8 x PP8 x DP80, bf16 weights,
+fp32 master weights and AdamW moments in a distributed optimizer) cannot run here. Every
+``Figure`` names its kind in its ``source``: ``measured`` (the control plane, from
+``benchmarks/scale.py``; ``MEASURED`` is the one place to update after a new run), ``assumed``
+(what cannot be measured here, with its reasoning; ``Inputs`` are the ones ``resume simulate``
+takes as options) or ``computed`` (arithmetic over both, the formula in the source).
 
-- ``measured``: the control plane's own costs at 5,120 ranks, from
-  ``benchmarks/scale.py`` (rank 0's real code, the other ranks synthesized in
-  one process; ``MEASURED`` below, the one place to update after a new run);
-- ``assumed``: what cannot be measured on this machine (the shared file system,
-  GPUs, a 640-node Slurm queue), each with its reasoning; the first three are
-  inputs (``Inputs``) that ``resume simulate`` takes as options;
-- ``computed``: arithmetic over the two, with the formula in the source.
-
-What a checkpoint stall and a restart are made of here must stay true to the
-code. The save modelled is the ``Coordinator``'s over DCP (``NativeTorchAdapter``
-with Megatron-shaped shards, as benchmarks/scale.py runs it; Megatron-LM's own
-``--async-save``, adapters/megatron_async.py, is not). An asynchronous save
-(``Coordinator(..., async_save=True)``) blocks the loop for rank 0's gather and
-assembly of every rank's part and for the staging copy; DCP's global planning,
-the shard write, DCP's ``.metadata`` broadcast, the manifest and retention run
-in the background (resume/coordinator.py, ``_save_step``). A synchronous save
-blocks for all of it. A restore checksums every file before loading it
-(``verify_on_restore``, on by default), so the shards are read twice.
-
-``resume simulate --reference`` prints the table (README.md and
-runbooks/slurm.md carry it; tests/test_reference_figures.py checks they match).
+The model must stay true to the code: the save modelled is the ``Coordinator``'s over DCP; an
+asynchronous save blocks the loop for rank 0's gather and the staging copy only, a synchronous
+one for all of it; a restore checksums every file before loading it, so shards are read twice.
+``resume simulate --reference`` prints the table; docs/performance.md and runbooks/slurm.md
+carry it, and tests/test_reference_figures.py checks that they match.
 """
 
 from __future__ import annotations
@@ -340,7 +325,7 @@ def simulate_defaults(inputs: Inputs = DEFAULT_INPUTS) -> dict[str, Figure]:
 
 
 def markdown_table(figs: dict[str, Figure]) -> str:
-    """The table README.md and runbooks/slurm.md carry (``resume simulate --reference``); the
+    """The table docs/performance.md and runbooks/slurm.md carry (``resume simulate --reference``); the
     benchmark run behind every measured row is named once, under it."""
     rows = ["| figure | value | source |", "|---|---:|---|"]
     rows += [f"| {LABELS[key]} | {fig.shown()} | {fig.source.replace(MEASURED_BY, 'scale run')} |"

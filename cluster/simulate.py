@@ -1,21 +1,13 @@
 """Simulation of a long run on many nodes: failures, checkpoint stalls, restarts, spares.
 
-The 640-node run cannot be run here, so it is simulated. Every node fails
-independently (exponential or Weibull times between failures, renewed when a
-node is replaced); a failure loses the work since the last committed
-checkpoint and costs a restart: on a hot spare inside the allocation when one
-is free, otherwise (as the hook does) a relaunch on fewer replicas, slower
-until the job's next requeue brings full size back, or, with
-``no_spare='requeue'``, a requeue (queue wait + restart). Failed nodes come back
-after a repair time and refill the spare pool. Training alternates
-``interval`` seconds of work with a checkpoint stall of ``stall`` seconds. The
-stall and restart times default to the reference run's figures
-(``reference.simulate_defaults``), each with its source.
-
-Goodput = useful training time / wall time. The checkpoint interval that
-maximises it is searched on a grid (the same failures for every candidate, so
-the comparison is not noise) and set beside Young/Daly's first-order optimum
-sqrt(2 * stall * MTBF).
+Every node fails independently (exponential or Weibull times between failures, renewed when a
+node is replaced); a failure loses the work since the last committed checkpoint and costs a
+restart: on a hot spare when one is free, else (as the hook does) on fewer replicas until the next
+requeue, or with ``no_spare='requeue'`` a requeue. Repaired nodes refill the spare pool. Training
+alternates ``interval`` seconds of work with a checkpoint stall; stall and restart times default
+to the reference figures (``reference.simulate_defaults``). Goodput = useful training time / wall
+time; the best interval is searched on a grid over the same failures for every candidate and set
+beside Young/Daly's ``sqrt(2 * stall * MTBF)``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """One task of the training step: ``python -m resume.cluster.task -- COMMAND...``.
 
-The hook launches every task of the step through this (``srun ... python -m
-resume.cluster.task -- COMMAND``). It sets the variables torchrun would set, from
-the ones srun gives each task, then replaces itself with the command (``exec``: the
-command is the task, and gets srun's signals directly)::
-
-    RANK              SLURM_PROCID
-    WORLD_SIZE        SLURM_NTASKS
-    LOCAL_RANK        SLURM_LOCALID
-    LOCAL_WORLD_SIZE  SLURM_NTASKS_PER_NODE (else the first count of SLURM_TASKS_PER_NODE)
-    NODE_RANK         SLURM_NODEID
-    NNODES            SLURM_NNODES
-
-MASTER_ADDR and MASTER_PORT come from the hook (the step's first node, a port of this
-launch), so ``torch.distributed.init_process_group()`` works with no arguments. The
-hook also sets RESUME_DP (the data-parallel size of this launch) and RESUME_LAUNCH (its
-count); the README's "Launch contract" lists them all.
+The hook starts every task of the step through this. It sets torchrun's variables from srun's
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``NNODES``), then
+``exec``s the command, which thus gets srun's signals directly. ``MASTER_ADDR``/``MASTER_PORT``,
+``RESUME_DP`` and ``RESUME_LAUNCH`` come from the hook. The launch contract: docs/slurm.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Offline assets for ``torchtitan_train.py``: a tokenizer and a text data set, made here.
 
 torchtitan's wheel ships neither its test tokenizer nor its ``c4_test`` data (its registry
-points at ``tests/assets/`` of a source checkout), and the example must run without a
+points into the test assets of a torchtitan source checkout), and the example must run without a
 network. ``make_assets(DIR)`` writes::
 
     DIR/tokenizer/tokenizer.json, tokenizer_config.json   a 512-entry byte-level BPE

@@ -1,27 +1,13 @@
 """Settings in the code that differ from the checkpoint: refused unless named as intended.
 
-A checkpoint records the structure of every optimizer (its param groups, which
-parameters each holds) and every setting of each group (``initial_lr``,
-``weight_decay``, ``betas``, ``eps``, ``momentum``, any scalar), besides the
-schedule's configuration. On restore the code's values are compared with the
-recorded ones *before* anything is loaded:
-
-- a different structure (another number of optimizers or groups, other
-  parameters in a group) is a ``ContinuityError`` naming the optimizer, the
-  group (index and name) and both shapes: the program builds something else
-  than the checkpoint holds; read the checkpoint's own values first with
-  ``Coordinator.peek()`` and build that;
-- a different setting is a ``ContinuityError`` naming the optimizer, group,
-  field and both values, unless the change is accepted
-  (``Coordinator(accept_changes=[...])`` or ``RESUME_ACCEPT_CHANGES``). An
-  accepted change keeps the code's value (loading would otherwise overwrite
-  it with the checkpoint's) and is recorded in the next manifest as
-  ``changes: [{step, item, from, to}]``.
-
-A name in ``accept_changes`` matches an item (``optimizer[0].group[1].weight_decay``,
-``schedule[0].base_lrs``) when it is the item, a prefix of it (``optimizer[0]``,
-``schedule``) or its last field (``weight_decay``). ``lr`` and ``initial_lr``
-name the peak LR: the groups' ``initial_lr`` and the schedulers' ``base_lrs``.
+Compared before anything is loaded: the structure of every optimizer (param groups and the
+parameters each holds), every scalar setting of each group, and the schedule's configuration.
+Another structure is a ``ContinuityError`` naming the optimizer, the group and both shapes; another
+setting is a ``ContinuityError`` naming optimizer, group, field and both values, unless accepted
+(``Coordinator(accept_changes=[...])`` or ``RESUME_ACCEPT_CHANGES``). An accepted change keeps the
+code's value and is recorded in the next manifest as ``changes: [{step, item, from, to}]``. A name
+matches an item when it is the item, a prefix of it or its last field; ``lr`` and ``initial_lr``
+name the peak LR (the groups' ``initial_lr`` and the schedulers' ``base_lrs``).
 """
 
 from __future__ import annotations

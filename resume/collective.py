@@ -1,14 +1,13 @@
 """Rank agreement, written once: run on rank 0 or on every rank, raise the same error everywhere.
 
-Every collective phase of a save or a restore has one shape: a local step that must
-not leave the other ranks waiting in a collective when it fails, then one small
-exchange after which every rank knows every outcome. Errors travel as records (the
-class name and its fields, ``ResumeError.fields()``), never as message strings to be
-parsed, and are built again from the record on each rank::
+Every collective phase of a save or a restore has one shape: a local step that must not leave
+the other ranks waiting when it fails, then one small exchange after which every rank knows every
+outcome. Errors travel as records (class name and fields, ``ResumeError.fields()``), never as
+message strings to be parsed, and are built again on each rank::
 
     coll = Collective(comm)
-    names = coll.on_rank0(run.step_dirs)                       # rank 0 reads, all get it
-    reports = coll.each(lambda: write_my_shards(), "save of step-…")   # all ranks, then agree
+    names = coll.on_rank0(run.step_dirs)                        # rank 0 reads, all get it
+    files = coll.gather(write_my_shards, "save of step-…")      # all ranks; rank 0 receives, all agree
 """
 
 from __future__ import annotations
@@ -78,13 +77,11 @@ _resume_collector = False
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off for rank 0's part of a save: receiving every
-    rank's part, assembling them, the manifest, retention. That work makes objects in
-    proportion to the ranks (over 100,000 at 5,120) that nearly all die with the save; with
-    the collector on they set off full collections, each walking every object of the process
-    (0.3-0.6 s per save measured at 5,120 ranks, ``benchmarks/scale.py``). Cycles made inside
-    are collected after. Nested and threads: the outermost pause turns it back on, and only if
-    it was on before."""
+    """Python's cyclic garbage collector held off for rank 0's part of a save (receiving every rank's
+    part, assembling them, the manifest, retention): that work makes objects in proportion to the
+    ranks, nearly all dying with the save, which would otherwise set off full collections of the
+    whole process. Cycles made inside are collected after. Nested and threads: the outermost pause
+    turns it back on, and only if it was on before."""
     global _pauses, _resume_collector
     with _pause_lock:
         if _pauses == 0:

@@ -46,8 +46,8 @@ class Expectation:
     (every rank's pairs, replicas included); set by ``assemble`` only when it differs."""
 
     def to_dict(self) -> dict:
-        # Shallow: the values are plain JSON data already (asdict's deep copy of 5,120 ranks'
-        # parts cost rank 0 a second per save at the reference scale).
+        # Shallow: the values are plain JSON data already (asdict's deep copy costs rank 0 time in
+        # proportion to the ranks at every save).
         return {name: getattr(self, name) for name in _RECORDED}
 
     @classmethod

@@ -1,35 +1,16 @@
 """One writer per run: a lease file with the holder's job id and a heartbeat.
 
-Two jobs writing checkpoints into one run would interleave steps, and
-retention of one would delete what the other needs. Rank 0 of a writing job
-holds ``RUN/lease.json``::
-
-    {"job_id": "4242", "host": "n0017", "pid": 913, "token": "…",
-     "acquired_at": 1796000000.0, "heartbeat_at": 1796000090.0, "ttl_s": 120}
-
-and rewrites it every ``ttl_s / 4`` seconds from a thread. Another job is
-refused with :class:`RunBusyError` naming the holder, unless the lease is
-stale: its heartbeat is older than ``ttl_s`` (wall clocks of the hosts are
-assumed to agree within a fraction of it), or the holder is a process on this
-host that no longer exists. A requeued copy of the same job (the same job id)
-takes over its own lease at once.
-
-The file is untrusted input like everything in a run: it is read capped and
-never blocking (a FIFO or a link in its place is no lease), and a lease that
-would lock the run out for good is stale with a warning: a heartbeat more than
-``ttl_s`` in the future (a host whose clock is wrong), a ``ttl_s`` above
-``MAX_TTL_S``, or a pid no process can have (above ``PID_MAX``), which on this
-host is "not this process".
-
-The job id is the caller's: the adapter's ``job_id``, which the cluster layer
-reads from the cluster's environment (``resume.adapters.environment``: Slurm's job
-id, torchrun's run id, both kept across restarts); else ``RESUME_JOB_ID``; else
-``host:pid``, which no restart keeps. This module reads no cluster's variables.
-
-Two jobs that find the same stale lease at the same moment both write theirs;
-the heartbeat reads the file back before each refresh, and every commit checks
-that the lease is still its own first, so the loser stops with
-:class:`LeaseLostError` before it writes a manifest.
+Rank 0 of a writing job holds ``RUN/lease.json`` (job id, host, pid, token, heartbeat,
+``ttl_s``) and rewrites it every ``ttl_s / 4`` seconds from a thread. Another job is refused
+with :class:`RunBusyError` naming the holder unless the lease is stale: no heartbeat for
+``ttl_s``, a holder process on this host that no longer exists, or a lease that would lock the
+run out for good (a heartbeat more than ``ttl_s`` ahead, ``ttl_s`` above ``MAX_TTL_S``, a pid
+above ``PID_MAX``). A requeued copy of the same job (same job id) takes over its own at once.
+The job id is the caller's (the adapter's ``job_id``, else ``RESUME_JOB_ID``, else
+``host:pid``): this module reads no cluster's variables. The file is untrusted input, read
+capped and never blocking. Invariant: every commit checks first that the lease is still its
+own, so of two jobs racing for a stale lease the loser stops with :class:`LeaseLostError`
+before it writes a manifest.
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ def _reject_constant(name: str) -> float:
 
 def _two_levels(body: dict) -> str:
     """JSON with one line per top-level item and, inside an object, per entry (one file per
-    line); deeper values compact on their line. Written with the C encoder: ``indent`` would
-    take Python's, over a second for the manifest of 5,120 ranks."""
+    line); deeper values compact on their line. Written with the C encoder (``indent`` would take
+    Python's, much slower for a large run's manifest)."""
     def one(value: Any) -> str:
         return json.dumps(value, allow_nan=False)
 

@@ -1,33 +1,13 @@
 """Learning-rate schedules that are not torch ``LRScheduler`` objects.
 
-Many trainers set the LR by hand on every param group, from the count of
-successful updates (the speed-run trainers do). Such a schedule is declared to
-the adapter as an ``LRSchedule``: anything with ``lr_at(updates)``, or a plain
-function of ``updates``:
-
-    def lr_at(updates: int) -> list[float]:
-        # the LR of every param group (all optimizers, in order) at the update
-        # that follows `updates` successful updates
-        return [g["initial_lr"] * factor(updates) for opt in (adam, muon) for g in opt.param_groups]
-
-    adapter = NativeTorchAdapter(model, [adam, muon], lr_at, loader)
-    ...
-    for batch in coord.batches():
-        ...
-        for opt in (adam, muon):
-            for g, lr in zip(opt.param_groups, ...): g["lr"] = ...   # as before, the loop sets it
-        adam.step(); muon.step()
-        coord.update(applied=True)
-
-Where its position is: the count of successful updates, which ``resume``
-keeps (``TrainState.updates_successful``) and restores. The schedule needs no
-``step()``, ``last_epoch`` or state of its own (an object may still have
-``state_dict``/``load_state_dict``; they are saved and loaded). Its
-configuration is what ``describe()`` returns (JSON), or for a function its code
-and the numbers it closes over; a schedule rebuilt with another peak or length
-is a changed setting (``schedule[0]....``), refused unless accepted. The
-continuity check records ``lr_at(n), lr_at(n+1), ...`` at each save, compares
-them after a restart, and checks the LR the first update actually applied.
+An ``LRSchedule`` is anything with ``lr_at(updates)``, or a plain function of ``updates``,
+returning the LR of every param group (all optimizers, in order) at the update that follows
+``updates`` successful updates; the loop sets the LR itself. Its position is
+``TrainState.updates_successful``, which ``resume`` keeps: it needs no state of its own (an
+object's ``state_dict``/``load_state_dict``, if any, are saved and loaded). Its configuration is
+what ``describe()`` returns (JSON), or for a function its code and the numbers it closes over;
+another peak or length is a changed setting (``schedule[0]...``), refused unless accepted.
+Usage: docs/pytorch.md.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from support.ranks import run_ranks
 # Marked one by one: the tests that read our own code run without megatron-core too (.ci/run's
 # fresh-machine step requires every marked test to skip there).
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-RUNBOOK = os.path.join(os.path.dirname(README), "runbooks", "megatron.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "docs", "megatron.md")  # the README's Megatron-LM details
+RUNBOOK = os.path.join(ROOT, "runbooks", "megatron.md")
 DATA = "iter_0000003/__0_0.distcp"
 
 

@@ -1,5 +1,5 @@
 """The reference run's figures (cluster/reference.py): their arithmetic, their sources, and
-that `resume simulate`, README.md and the Slurm runbook take them from there."""
+that `resume simulate`, docs/performance.md and the Slurm runbook take them from there."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_reference_prints_the_table_and_every_figure_as_json():
     assert set(body["checkpoint"]) == {"value", "unit", "source"}
 
 
-@pytest.mark.parametrize("doc", ["README.md", "runbooks/slurm.md"])
+@pytest.mark.parametrize("doc", ["docs/performance.md", "runbooks/slurm.md"])
 def test_the_documented_table_is_the_one_the_module_computes(doc):
     # Regenerate with `resume simulate --reference` after changing cluster/reference.py.
     assert markdown_table(figures()) in (ROOT / doc).read_text()

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 
 from resume.cli import cli
 
-RUNBOOKS = sorted((pathlib.Path(__file__).parent.parent / "runbooks").glob("*.md")) + [
-    pathlib.Path(__file__).parent.parent / "README.md"]
+ROOT = pathlib.Path(__file__).parent.parent
+# The runbooks, the README and the documents it links (docs/): every command any of them names.
+RUNBOOKS = sorted((ROOT / "runbooks").glob("*.md")) + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 
 def resume_commands():
@@ -23,7 +24,7 @@ def resume_commands():
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split("#", 1)[0].strip()
                 if line.startswith("resume "):
-                    yield path.name, line
+                    yield str(path.relative_to(ROOT)), line
 
 
 def split(line: str) -> tuple[list[str], list[str]]:
