@@ -50,6 +50,8 @@ MAX_REFUSALS = 3
 
 @dataclass(frozen=True, kw_only=True)
 class HookConfig:
+    """``resume slurm run``'s options, validated once: a bad one is a ``UsageError`` naming it."""
+
     run_url: str
     """The run the training writes (its control area carries the save request)."""
     command: list[str]
@@ -354,12 +356,8 @@ class Supervisor:
         return saved
 
     def _save_by_exit_signal(self, proc: Any, save_wait: float) -> bool:
-        """Megatron's --exit-signal-handler: signal the step, wait for a newer committed manifest.
-
-        srun forwards the signal to every task; Megatron agrees across ranks at the
-        next iteration, saves, and exits. The wait ends at the commit (our manifest
-        beside Megatron's files), not at Megatron's tracker file.
-        """
+        """Megatron's --exit-signal-handler: signal the step (srun forwards it to every task),
+        wait for a newer committed manifest: the commit, not Megatron's tracker file."""
         sig = self.cfg.exit_signal or "SIGTERM"
         before = self.watch.latest_committed()
         proc.send_signal(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig])
@@ -380,14 +378,10 @@ class Supervisor:
             self.sleep(self.cfg.poll_s)
 
     def _requeue_elsewhere(self, reason: str) -> int:
-        """A plain requeue: the nodes recorded bad are down, drained or failing, which Slurm
-        does not allocate, so the requeued job starts on others.
-
-        No ExcNodeList: Slurm refuses it while the job runs ("Job is no longer pending
-        execution"), and once set it would keep a repaired node out of every later start
-        of this job, so the job could not grow back. (requeuehold would TERM this very hook.)
-        The event keeps its name, ``requeue_excluding``, for the runbooks' greps.
-        """
+        """A plain requeue: Slurm allocates none of the nodes recorded bad (down, drained,
+        failing), so the job starts on others. No ExcNodeList: Slurm refuses it for a running
+        job, and it would keep a repaired node out of every later start. The event keeps its
+        name, ``requeue_excluding``, for the runbooks' greps."""
         return self._requeue("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
 
     def _requeue(self, kind: str, **fields: Any) -> int:
