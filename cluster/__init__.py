@@ -9,6 +9,8 @@ read them and pass facts in. Import the module you need:
   commands the hook runs, with timeouts and bounded retries;
 - ``hook``: the requeue hook, ``resume slurm run``: saves on USR1/TERM, relaunches
   on spares, shrinks, requeues, stops a crash loop;
+- ``events``, ``hook_state``, ``watch``, ``step``: the parts the hook's decision loop
+  uses: its event log, its state file, what it reads of the run, the srun launcher;
 - ``task``: how each task of the step starts (``python -m resume.cluster.task --
   COMMAND``): torchrun's variables from srun's, the launch contract;
 - ``grace``: the grace budget, one formula over the run's measured save times;

@@ -1,36 +1,27 @@
-"""The requeue hook: ``resume slurm run [options] -- <launch command>``.
+"""The requeue hook, ``resume slurm run [options] -- <launch command>``: the batch script's
+main process (``exec``-ed by the script ``resume slurm template`` writes). It starts the
+training step with ``srun`` and decides what follows each of its ends:
 
-It is the batch script's main process (``exec``-ed by the sbatch script that
-``resume slurm template`` writes). It starts the training step with ``srun``
-and supervises it:
+- USR1 (time limit ahead) or TERM (preemption): save through the run's control area (or
+  ``--exit-signal`` to the step) within the grace budget, stop the step, requeue;
+- a failed step: nodes Slurm reports bad are recorded; relaunch on spares inside the
+  allocation, else on the next valid data-parallel size (global batch kept), else requeue;
+- ``CrashLoopPolicy``'s failures in a row with no new committed checkpoint: exit
+  ``EXIT_CRASH_LOOP``, no requeue;
+- exit 0: training finished (or was asked to stop), exit 0.
 
-- USR1 (time limit ahead) or TERM (preemption): ask the job to save and stop
-  through the run's control area, wait for the commit within the grace budget
-  (measured save times recorded in the run), let the step end, requeue.
-- the step fails: find the allocation's nodes that Slurm reports bad, record
-  them in the run, relaunch inside the allocation on spare nodes when enough
-  are healthy; otherwise on the next valid data-parallel size (global batch
-  kept); otherwise requeue (Slurm allocates no node it reports bad).
-- crash loop (``CrashLoopPolicy``): K failures in a row with no new committed
-  checkpoint stop the requeueing, loudly, with exit code 5.
-- the step ends with 0: training finished (or was asked to stop), exit 0.
-
-Every decision is a JSON line in ``RUN/cluster/events.jsonl`` with its reason.
-State that must survive requeues (bad nodes, recent failures) lives in
-``RUN/cluster/hook.json``.
+Its parts: the event log (``cluster/events.py``), the state file (``cluster/hook_state.py``),
+the run watcher (``cluster/watch.py``), the step launcher (``cluster/step.py``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: detect_layout knows it
@@ -38,33 +29,29 @@ from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: d
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import ResumeError, UsageError
-from resume.run import CheckResult, Run, detect_layout, utc_now
-from resume.storage import SMALL_FILE_CAP, is_damage
-from resume.text import clip, parse_json, short
+from resume.run import Run, utc_now
 
 from .crash_loop import CrashLoopPolicy
+from .events import EventLog
 from .grace import STOP_MARGIN_S, grace_budget
+from .hook_state import StateFile
 from .layout import valid_dp_sizes
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
+from .step import StepLauncher, master_port, srun_command
+from .watch import RunWatcher
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 
 EXIT_CRASH_LOOP = 5
 EXIT_UNRECOVERABLE = 1
-EVENTS = "cluster/events.jsonl"
-STATE = "cluster/hook.json"
-TASK = (sys.executable, "-m", "resume.cluster.task", "--")
-"""Every task of the step starts through this: torchrun's variables from srun's (cluster/task.py)."""
-EVENTS_CAP = 64 << 20
-"""Bytes: a longer event log is moved aside and a new one begun."""
-STEP_REFUSED = b"Unable to create step"
-"""What srun says when Slurm will not start the step on the nodes asked (one left the job)."""
 MAX_REFUSALS = 3
 """Refused launches in a row that end this allocation (the job is requeued elsewhere)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class HookConfig:
+    """``resume slurm run``'s options, validated once: a bad one is a ``UsageError`` naming it."""
+
     run_url: str
     """The run the training writes (its control area carries the save request)."""
     command: list[str]
@@ -118,49 +105,16 @@ class HookConfig:
     def valid_dp(self, max_dp: int) -> list[int]:
         return valid_dp_sizes(global_batch=self.global_batch, micro_batch=self.micro_batch, max_dp=max_dp)
 
-
-@dataclass
-class HookState:
-    bad_nodes: list[str] = field(default_factory=list)
-    failures: list[dict] = field(default_factory=list)
-    launches: int = 0
-
-
-def _state_problem(body: Any) -> str | None:
-    """What is wrong with the hook's state file ``body`` (parsed JSON), or None."""
-    if not isinstance(body, dict):
-        return f"expected an object, actual {short(body)}"
-    nodes, failures, launches = body.get("bad_nodes", []), body.get("failures", []), body.get("launches", 0)
-    if not (isinstance(nodes, list) and len(nodes) <= _MAX_NODES
-            and all(isinstance(n, str) and 0 < len(n) <= 255 for n in nodes)):
-        return f"bad_nodes: expected a list of node names, actual {short(nodes)}"
-    if not (isinstance(failures, list) and all(_is_failure(f) for f in failures)):
-        return ("failures: expected a list of {at, exit_code, committed_step} records, actual "
-                f"{short(failures)}")
-    if type(launches) is not int or not 0 <= launches < 1 << 31:
-        return f"launches: expected a count >= 0, actual {short(launches)}"
-    return None
-
-
-def _is_failure(record: Any) -> bool:
-    def small_int(v: Any) -> bool:
-        return type(v) is int and -(1 << 63) <= v < 1 << 63
-    return (isinstance(record, dict) and isinstance(record.get("at", ""), str)
-            and (record.get("exit_code") is None or small_int(record.get("exit_code")))
-            and (record.get("committed_step") is None or small_int(record.get("committed_step"))))
-
-
-_MAX_NODES = 100_000
-
-_SHOWN = ("launch", "dp", "from_dp", "to_dp", "nodes", "tasks", "signal", "step", "committed_step", "exit_code")
-"""The fields an event's line on the job output shows, in this order."""
-
-
-def _fact(value: Any) -> str:
-    if isinstance(value, list):
-        shown = ",".join(map(str, value[:16]))
-        return shown + (f",…(+{len(value) - 16})" if len(value) > 16 else "")
-    return str(value)
+    def accept_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``RESUME_ACCEPT_CHANGES`` for the step: ``env``'s names, then --accept-change's.
+        Checked here, once: a bad name would otherwise fail every rank of every launch."""
+        if not self.accept_changes:
+            return {}
+        try:
+            inherited = AcceptChanges.parse((), env=env).names
+        except UsageError as e:
+            raise UsageError(f"slurm run: {ACCEPT_ENV} in the environment: {e}") from None
+        return {ACCEPT_ENV: ",".join(dict.fromkeys(inherited + self.accept_changes))}
 
 
 class _StepEnded(Exception):
@@ -168,6 +122,16 @@ class _StepEnded(Exception):
 
 
 class Supervisor:
+    """The decision loop of one batch job: launch the step, wait for it or for a signal,
+    decide what follows (relaunch, shrink, save-stop-requeue, requeue, stop), again.
+
+    Invariants: every decision is an event (``EventLog``) with its reason; the state file
+    is written before each launch and requeue; the step never outlives the hook; a save
+    counts only once ``Run.check`` holds its step committed; a save request the hook posted
+    and nobody answered is withdrawn (it would stop the requeued run). ``clock``, ``sleep``
+    and ``popen`` are injectable: tests replace Slurm, srun and time.
+    """
+
     def __init__(self, cfg: HookConfig, job: SlurmJob, slurm: Slurm, *,
                  popen: Callable[..., Any] = subprocess.Popen,
                  clock: Callable[[], float] = time.monotonic,
@@ -178,19 +142,20 @@ class Supervisor:
         self.allocation = list(job.nodes)
         """The job's nodes as Slurm holds them now (``_follow_allocation``), in the job's order."""
         self.slurm = slurm
-        self.popen = popen
+        self.launcher = StepLauncher(popen)
         self._refusals = 0  # launches Slurm refused in a row
-        self._refused = threading.Event()
-        self._relay: threading.Thread | None = None
         self.clock = clock
         self.sleep = sleep
         self.env = dict(os.environ if env is None else env)
-        self.accept_env = self._accept_env()
+        self.accept_env = cfg.accept_env(self.env)
         # With --exit-signal the run is a Megatron save directory, which may
         # still be empty at the first start; otherwise detected (again) as it fills.
         self.rundir = Run.open(cfg.run_url, create=True,
                                layout=MEGATRON_LAYOUT if cfg.exit_signal else None)
-        self.state = self._load_state()
+        self.watch = RunWatcher(self.rundir, fixed_layout=cfg.exit_signal is not None)
+        self.log = EventLog(self.rundir.storage, job)
+        self.state_file = StateFile(self.rundir.storage, job.job_id)
+        self.state = self.state_file.load()
         self.crash_loop = CrashLoopPolicy(cfg.crash_loop)
         self._signal: int | None = None
         full = (len(job.nodes) - cfg.spares) // cfg.nodes_per_replica
@@ -205,8 +170,8 @@ class Supervisor:
 
     def run(self) -> int:
         self._install_handlers()
-        self.event("start", restart_count=self.job.restart_count, nodes=self.job.nodes,
-                   planned_dp=self.planned_dp, bad_nodes=self.state.bad_nodes)
+        self.log.event("start", restart_count=self.job.restart_count, nodes=self.job.nodes,
+                       planned_dp=self.planned_dp, bad_nodes=self.state.bad_nodes)
         self._forget_recovered_nodes()
         self._withdraw_stale_requests()
         while True:
@@ -229,8 +194,9 @@ class Supervisor:
                 return self._save_stop_requeue(proc)
             rc = proc.returncode
             if rc == 0:
-                self.event("finished", exit_code=0, nodes=nodes, committed_step=self._committed_quietly(),
-                           reason="the training step exited 0: no requeue")
+                self.log.event("finished", exit_code=0, nodes=nodes,
+                               committed_step=self.watch.committed_quietly(),
+                               reason="the training step exited 0: no requeue")
                 self.state.failures.clear()
                 self._save_state()
                 return 0
@@ -252,11 +218,11 @@ class Supervisor:
         if lost:
             if dp == self.planned_dp:
                 reason = f"nodes {lost} (bad or no longer in the job) replaced by spares inside the allocation"
-                self.event("relaunch_on_spares", dp=dp, nodes=nodes, reason=reason)
+                self.log.event("relaunch_on_spares", dp=dp, nodes=nodes, reason=reason)
             else:
                 reason = (f"{len(healthy)} healthy nodes hold no {self.planned_dp} replicas: the next "
                           f"valid data-parallel size keeping global batch {self.cfg.global_batch}")
-                self.event("shrink", from_dp=self.planned_dp, to_dp=dp, nodes=nodes, reason=reason)
+                self.log.event("shrink", from_dp=self.planned_dp, to_dp=dp, nodes=nodes, reason=reason)
         return dp, nodes
 
     def _follow_allocation(self) -> list[str]:
@@ -265,17 +231,17 @@ class Supervisor:
         try:
             current = set(self.slurm.job_nodes(self.job.job_id))
         except SlurmError as e:
-            self.event("allocation_unknown", reason=f"{e}: the last known nodes are used")
+            self.log.event("allocation_unknown", reason=f"{e}: the last known nodes are used")
             return []
         if not current:  # a running job holds nodes: a listing without any says nothing
-            self.event("allocation_unknown", reason="scontrol lists no node for the job: the last known "
-                                                    "nodes are used")
+            self.log.event("allocation_unknown",
+                           reason="scontrol lists no node for the job: the last known nodes are used")
             return []
         removed = [n for n in self.allocation if n not in current]
         if removed:
             self.allocation = [n for n in self.allocation if n in current]
-            self.event("nodes_removed", nodes=removed, reason="Slurm removed them from the job (a node "
-                       "failure): not used again in this allocation, even if back in service")
+            self.log.event("nodes_removed", nodes=removed, reason="Slurm removed them from the job (a node "
+                           "failure): not used again in this allocation, even if back in service")
         return removed
 
     def _forget_recovered_nodes(self) -> None:
@@ -285,50 +251,51 @@ class Supervisor:
         try:
             states = self.slurm.node_states(self.state.bad_nodes)
         except SlurmError as e:
-            self.event("node_states_unknown", reason=str(e))
+            self.log.event("node_states_unknown", reason=str(e))
             return
         back = [n for n in self.state.bad_nodes if n in states and not is_bad_state(states[n])]
         if back:
             self.state.bad_nodes = [n for n in self.state.bad_nodes if n not in back]
             self._save_state()
-            self.event("nodes_back", nodes=back, reason="Slurm reports them healthy again")
+            self.log.event("nodes_back", nodes=back, reason="Slurm reports them healthy again")
 
     def _after_failure(self, rc: int, nodes: list[str]) -> int | None:
         if set(self._follow_allocation()) & set(nodes):
             return None  # a node of the step left the job: re-planned, not a crash of the training
-        if self._step_refused():
+        if self.launcher.refused():
             self._refusals += 1
-            self.event("launch_refused", exit_code=rc, nodes=nodes, refusals=self._refusals,
-                       reason="Slurm refused to create the step (srun: Unable to create step): "
-                              "re-planned on the job's current nodes, not counted as a crash")
+            self.log.event("launch_refused", exit_code=rc, nodes=nodes, refusals=self._refusals,
+                           reason="Slurm refused to create the step (srun: Unable to create step): "
+                                  "re-planned on the job's current nodes, not counted as a crash")
             if self._refusals >= MAX_REFUSALS:
                 return self._requeue_elsewhere(f"Slurm refused {self._refusals} launches in a row")
             return None
         self._refusals = 0
-        committed = self._latest_committed()
+        committed = self.watch.latest_committed()
         try:
             states = self.slurm.node_states(self.job.nodes)
         except SlurmError as e:
             states = {}
-            self.event("node_states_unknown", reason=str(e))
+            self.log.event("node_states_unknown", reason=str(e))
         bad = sorted(n for n in nodes if is_bad_state(states.get(n, "")))
         if bad:
             # Hardware: not the job's fault, so not part of a crash loop.
             self.state.bad_nodes = sorted(set(self.state.bad_nodes) | set(bad))
             self._save_state()
-            self.event("nodes_failed", exit_code=rc, nodes=bad, states={n: states[n] for n in bad},
-                       committed_step=committed, reason="the step failed and Slurm reports these nodes bad")
+            self.log.event("nodes_failed", exit_code=rc, nodes=bad, states={n: states[n] for n in bad},
+                           committed_step=committed,
+                           reason="the step failed and Slurm reports these nodes bad")
             return None
         self.state.failures.append({"at": utc_now(), "exit_code": rc, "committed_step": committed})
         self._save_state()
         if self.crash_loop.should_stop(self.state.failures):
             limit = self.crash_loop.limit
-            self.event("crash_loop", failures=limit, committed_step=committed,
-                       reason=f"{limit} failures in a row on healthy nodes without a new "
-                              f"checkpoint (last committed step {committed}); not requeueing")
+            self.log.event("crash_loop", failures=limit, committed_step=committed,
+                           reason=f"{limit} failures in a row on healthy nodes without a new "
+                                  f"checkpoint (last committed step {committed}); not requeueing")
             return EXIT_CRASH_LOOP
-        self.event("step_failed", exit_code=rc, nodes=nodes, committed_step=committed,
-                   reason="the step failed on healthy nodes: relaunch in place")
+        self.log.event("step_failed", exit_code=rc, nodes=nodes, committed_step=committed,
+                       reason="the step failed on healthy nodes: relaunch in place")
         return None
 
     def _save_stop_requeue(self, proc: Any) -> int:
@@ -338,12 +305,12 @@ class Supervisor:
         started = self.clock()
         lead = self.cfg.grace_s
         save_wait = self._save_wait()
-        self.event("signal", signal=name, save_wait_s=save_wait, lead_s=lead,
-                   reason="time limit ahead or preemption: save, stop, requeue")
+        self.log.event("signal", signal=name, save_wait_s=save_wait, lead_s=lead,
+                       reason="time limit ahead or preemption: save, stop, requeue")
         saved = False
         if proc.poll() is not None:
-            self.event("save_skipped", exit_code=proc.returncode,
-                       reason="the step had already ended: requeue from the last checkpoint")
+            self.log.event("save_skipped", exit_code=proc.returncode,
+                           reason="the step had already ended: requeue from the last checkpoint")
         elif self.cfg.exit_signal is not None:
             saved = self._save_by_exit_signal(proc, save_wait)
         else:
@@ -353,12 +320,12 @@ class Supervisor:
             max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
         self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
-        complete = self._complete_step() if proc.poll() == 0 else None
+        complete = self.watch.complete_step() if proc.poll() == 0 else None
         if complete is not None:  # the run ended as the signal came: nothing left to train
             self._save_state()
-            self.event("finished", exit_code=0, committed_step=complete,
-                       reason=f"the run is complete (step {complete} is its last) and the step exited 0: "
-                              f"no requeue after {name}")
+            self.log.event("finished", exit_code=0, committed_step=complete,
+                           reason=f"the run is complete (step {complete} is its last) and the step exited 0: "
+                                  f"no requeue after {name}")
             return 0
         return self._requeue("requeued", reason=f"after {name}")
 
@@ -375,54 +342,46 @@ class Supervisor:
             # An answer counts only for a step the run holds committed (one may be forged).
             step = wait_for_answer(self.rundir, request, timeout=save_wait, poll=self.cfg.poll_s,
                                    clock=self.clock, sleep=self.sleep, on_wait=watch,
-                                   check=self._check)
+                                   check=self.watch.check)
             saved = True
-            self.event("saved", step=step, reason="checkpoint committed after the signal")
+            self.log.event("saved", step=step, reason="checkpoint committed after the signal")
         except _StepEnded:
-            self.event("save_skipped", exit_code=proc.returncode,
-                       reason="the step ended before it answered the save request")
+            self.log.event("save_skipped", exit_code=proc.returncode,
+                           reason="the step ended before it answered the save request")
         except ResumeError as e:
-            self.event("save_failed", reason=str(e))
+            self.log.event("save_failed", reason=str(e))
         finally:
             if not saved:  # a stale stop request would end the requeued run early
                 withdraw_request(self.rundir, request)
         return saved
 
     def _save_by_exit_signal(self, proc: Any, save_wait: float) -> bool:
-        """Megatron's --exit-signal-handler: signal the step, wait for a newer committed manifest.
-
-        srun forwards the signal to every task; Megatron agrees across ranks at the
-        next iteration, saves, and exits. The wait ends at the commit (our manifest
-        beside Megatron's files), not at Megatron's tracker file.
-        """
+        """Megatron's --exit-signal-handler: signal the step (srun forwards it to every task),
+        wait for a newer committed manifest: the commit, not Megatron's tracker file."""
         sig = self.cfg.exit_signal or "SIGTERM"
-        before = self._latest_committed()
+        before = self.watch.latest_committed()
         proc.send_signal(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig])
         deadline = self.clock() + save_wait
         while True:
-            latest = self._newer_committed(before)
+            latest = self.watch.newer_committed(before)
             if latest is not None:
-                self.event("saved", step=latest, reason=f"checkpoint committed after {sig} to the step")
+                self.log.event("saved", step=latest, reason=f"checkpoint committed after {sig} to the step")
                 return True
             if proc.poll() is not None:
-                self.event("save_skipped", exit_code=proc.returncode,
-                           reason=f"the step ended after {sig} without a new committed checkpoint")
+                self.log.event("save_skipped", exit_code=proc.returncode,
+                               reason=f"the step ended after {sig} without a new committed checkpoint")
                 return False
             if self.clock() >= deadline:
-                self.event("save_failed", reason=f"no checkpoint newer than {before} committed within "
-                                                 f"{save_wait:.0f}s of {sig}")
+                self.log.event("save_failed", reason=f"no checkpoint newer than {before} committed "
+                                                     f"within {save_wait:.0f}s of {sig}")
                 return False
             self.sleep(self.cfg.poll_s)
 
     def _requeue_elsewhere(self, reason: str) -> int:
-        """A plain requeue: the nodes recorded bad are down, drained or failing, which Slurm
-        does not allocate, so the requeued job starts on others.
-
-        No ExcNodeList: Slurm refuses it while the job runs ("Job is no longer pending
-        execution"), and once set it would keep a repaired node out of every later start
-        of this job, so the job could not grow back. (requeuehold would TERM this very hook.)
-        The event keeps its name, ``requeue_excluding``, for the runbooks' greps.
-        """
+        """A plain requeue: Slurm allocates none of the nodes recorded bad (down, drained,
+        failing), so the job starts on others. No ExcNodeList: Slurm refuses it for a running
+        job, and it would keep a repaired node out of every later start. The event keeps its
+        name, ``requeue_excluding``, for the runbooks' greps."""
         return self._requeue("requeue_excluding", nodes=self.state.bad_nodes, reason=reason)
 
     def _requeue(self, kind: str, **fields: Any) -> int:
@@ -430,9 +389,9 @@ class Supervisor:
         try:
             self.slurm.requeue(self.job.job_id)
         except SlurmError as e:
-            self.event("requeue_failed", reason=str(e))
+            self.log.event("requeue_failed", reason=str(e))
             return EXIT_UNRECOVERABLE
-        self.event(kind, **fields)
+        self.log.event(kind, **fields)
         return 0
 
     def _withdraw_stale_requests(self) -> None:
@@ -441,10 +400,10 @@ class Supervisor:
             stale = [r for r in pending_requests(self.rundir) if r.reason.startswith("slurm hook:")]
             for request in stale:
                 withdraw_request(self.rundir, request)
-                self.event("stale_request_withdrawn", request=request.request_id,
-                           reason="a save request of an earlier hook was never answered")
+                self.log.event("stale_request_withdrawn", request=request.request_id,
+                               reason="a save request of an earlier hook was never answered")
         except OSError as e:
-            self.event("control_unreadable", reason=str(e))
+            self.log.event("control_unreadable", reason=str(e))
 
     def _save_wait(self) -> float:
         """How long to wait for the save after the signal: the grace budget (``--grace``, else
@@ -461,54 +420,14 @@ class Supervisor:
         except SlurmError:
             addresses = {}
         master = addresses.get(nodes[0], nodes[0])
-        port = 20000 + (int(self.job.job_id) * 7 + self.state.launches) % 20000 \
-            if self.job.job_id.isdigit() else 29500
+        port = master_port(self.job.job_id, self.state.launches)
         tasks = len(nodes) * self.cfg.tasks_per_node
         env = dict(self.env, MASTER_ADDR=master, MASTER_PORT=str(port), RESUME_DP=str(dp),
                    RESUME_LAUNCH=str(self.state.launches), **self.accept_env)
-        cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={tasks}",
-               f"--ntasks-per-node={self.cfg.tasks_per_node}", f"--nodelist={','.join(nodes)}",
-               "--kill-on-bad-exit=1", *TASK, *self.cfg.command]
-        self.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
-                   master=f"{master}:{port}", committed_step=self._committed_quietly(), **self.accept_env)
-        proc = self.popen(cmd, env=env, stderr=subprocess.PIPE)
-        self._refused.clear()
-        stream = getattr(proc, "stderr", None)
-        self._relay = None
-        if stream is not None:  # srun's errors, passed on to the job's output as they come
-            self._relay = threading.Thread(target=self._relay_stderr, args=(stream,), name="srun-stderr",
-                                           daemon=True)
-            self._relay.start()
-        return proc
-
-    def _relay_stderr(self, stream: Any) -> None:
-        """Copy the step's stderr to the hook's, noting whether Slurm refused to create the step."""
-        out = getattr(sys.stderr, "buffer", None)
-        for line in iter(stream.readline, b""):
-            if STEP_REFUSED in line:
-                self._refused.set()
-            if out is not None:
-                out.write(line)
-                out.flush()
-            else:
-                sys.stderr.write(line.decode(errors="replace"))
-
-    def _step_refused(self) -> bool:
-        """Whether srun said it could not create the step (its stderr read to the end)."""
-        if self._relay is not None:
-            self._relay.join(timeout=5.0)
-        return self._refused.is_set()
-
-    def _accept_env(self) -> dict[str, str]:
-        """``RESUME_ACCEPT_CHANGES`` for the step: the environment's names, then --accept-change's.
-        Checked here, once: a bad name would otherwise fail every rank of every launch."""
-        if not self.cfg.accept_changes:
-            return {}
-        try:
-            inherited = AcceptChanges.parse((), env=self.env).names
-        except UsageError as e:
-            raise UsageError(f"slurm run: {ACCEPT_ENV} in the environment: {e}") from None
-        return {ACCEPT_ENV: ",".join(dict.fromkeys(inherited + self.cfg.accept_changes))}
+        self.log.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
+                       master=f"{master}:{port}", committed_step=self.watch.committed_quietly(),
+                       **self.accept_env)
+        return self.launcher.start(srun_command(nodes, self.cfg.tasks_per_node, self.cfg.command), env)
 
     def _supervise(self, proc: Any) -> str:
         while proc.poll() is None:
@@ -524,107 +443,15 @@ class Supervisor:
         for sig, patience in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
             if proc.poll() is not None:
                 break
-            self.event("stop_step", signal=sig.name, reason="the step did not leave by itself")
+            self.log.event("stop_step", signal=sig.name, reason="the step did not leave by itself")
             proc.send_signal(sig)
             deadline = self.clock() + patience
             while proc.poll() is None and self.clock() < deadline:
                 self.sleep(self.cfg.poll_s)
-        self.event("step_ended", exit_code=proc.poll())
-
-    # -- run records ------------------------------------------------------------------------
-
-    def event(self, kind: str, **fields: Any) -> None:
-        """One decision: a JSON line in the event log, and a line on the job's output naming its
-        nodes, step and exit code (``_SHOWN``) before the reason."""
-        record = {"at": utc_now("milliseconds"), "event": kind, "job": self.job.job_id,
-                  "restart": self.job.restart_count, **fields}
-        self._record((json.dumps(record, sort_keys=False) + "\n").encode())
-        facts = " ".join(f"{key}={_fact(fields[key])}" for key in _SHOWN if fields.get(key) is not None)
-        reason = fields.get("reason", "")
-        print(f"resume slurm: {kind}" + (f" [{facts}]" if facts else "") + (f": {reason}" if reason else ""),
-              flush=True)
-
-    def _record(self, line: bytes) -> None:
-        """One line at the end of the event log. A log that is not a regular file of ours (a
-        link, a FIFO, one past ``EVENTS_CAP``) is moved aside and a new one begun; a log that
-        cannot be written is said on the job's output, and the hook goes on."""
-        storage = self.rundir.storage
-        try:
-            try:
-                storage.append_bytes(EVENTS, line, limit=EVENTS_CAP)
-            except OSError as e:
-                if not is_damage(e):
-                    raise
-                aside = f"{EVENTS}.aside-{int(time.time())}-{os.urandom(3).hex()}"
-                print(f"resume slurm: warning: {clip(str(e))}; moved to {aside}", flush=True)
-                storage.rename(EVENTS, aside)
-                storage.append_bytes(EVENTS, line, limit=EVENTS_CAP)
-        except OSError as e:
-            print(f"resume slurm: warning: event not recorded in {storage.url(EVENTS)}: {clip(str(e))}",
-                  flush=True)
-
-    def _load_state(self) -> HookState:
-        """The state the last requeue left; a file that is not one (too big, a link, a bad
-        field) is said on the job's output and the hook starts afresh."""
-        try:
-            body = parse_json(self.rundir.storage.read_bytes(STATE, limit=SMALL_FILE_CAP))
-        except FileNotFoundError:
-            return HookState()
-        except (OSError, ValueError) as e:
-            print(f"resume slurm: warning: {STATE} ignored: {clip(str(e))}", flush=True)
-            return HookState()
-        problem = _state_problem(body)
-        if problem is not None:
-            print(f"resume slurm: warning: {self.rundir.storage.url(STATE)}: {problem}; ignored",
-                  flush=True)
-            return HookState()
-        same_job = body.get("job") == self.job.job_id  # requeues keep the job id
-        return HookState(bad_nodes=list(body.get("bad_nodes", [])),
-                         failures=list(body.get("failures", [])) if same_job else [],
-                         launches=body.get("launches", 0))
+        self.log.event("step_ended", exit_code=proc.poll())
 
     def _save_state(self) -> None:
-        body = {"bad_nodes": self.state.bad_nodes, "failures": self.state.failures[-20:],
-                "launches": self.state.launches, "job": self.job.job_id}
-        self.rundir.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
-
-    def _newer_committed(self, before: int | None) -> int | None:
-        """The newest committed checkpoint after ``before``; only newer directories are checked."""
-        try:
-            manifest, _ = self.rundir.find_latest(above=before)
-        except OSError:  # StorageError included: nothing seen yet, the next poll looks again
-            return None
-        return manifest.step if manifest is not None else None
-
-    def _check(self, step: int) -> CheckResult:
-        self._detect_layout()
-        return self.rundir.check(step)
-
-    def _detect_layout(self) -> None:
-        """The run's layout as it is now (a framework's first save may have made it)."""
-        if self.cfg.exit_signal is None:
-            self.rundir.layout = detect_layout(self.rundir.storage)
-
-    def _complete_step(self) -> int | None:
-        """The newest committed step when its manifest marks the run complete, else None."""
-        try:
-            self._detect_layout()
-            manifest, _ = self.rundir.find_latest()
-        except (ResumeError, OSError):
-            return None
-        return manifest.step if manifest is not None and manifest.complete else None
-
-    def _committed_quietly(self) -> int | None:
-        """The newest committed step for an event line; None when there is none or storage refuses."""
-        try:
-            return self._latest_committed()
-        except (ResumeError, OSError):
-            return None
-
-    def _latest_committed(self) -> int | None:
-        self._detect_layout()
-        manifest, _ = self.rundir.find_latest()
-        return manifest.step if manifest is not None else None
+        self.state_file.save(self.state)
 
     def _install_handlers(self) -> None:
         def flag(signum: int, frame: Any) -> None:

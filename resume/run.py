@@ -237,8 +237,7 @@ class CheckResult:
 
 
 class _Sizes:
-    """File sizes of a step directory, one listing per directory (a checkpoint of 5,120 ranks
-    has over 10,000 files: one stat each made the commit check, and retention with it, slow).
+    """File sizes of a step directory from one listing per directory, not one stat per file.
     A name the listing does not show as a regular file is asked for alone: ``size`` raises
     what it is (missing, a link, a FIFO, a directory)."""
 
@@ -318,9 +317,9 @@ class Run:
     # -- the commit check -------------------------------------------------------
 
     def read_manifest(self, step: int, *, reuse: bool = False) -> Manifest:
-        """The step's manifest, parsed and validated. ``reuse``: the manifest parsed before from
-        the very same bytes is not parsed again; read-only to the caller (retention, which reads
-        the kept manifests at every commit: over 0.1 s each at 5,120 ranks)."""
+        """The step's manifest, parsed and validated. ``reuse``: a manifest parsed before from the
+        very same bytes is returned, not parsed again; the caller must not change it (retention
+        reads the kept manifests at every commit)."""
         path = self.manifest_path(step)
         source = self.storage.url(path)
         try:
@@ -354,84 +353,16 @@ class Run:
             result.problems.append(str(e))
             return result
         except (OSError, ValueError) as e:  # a link, a special file, not a directory, storage down
-            self._unreadable_manifest(result, e)
+            _note_unreadable_manifest(self, result, e)
             return result
-        result.problems.extend(self._counter_problems(result.manifest))
-        listed = _Sizes(self.storage, self.dirname(step))
-        for rel, entry in sorted(result.manifest.files.items()):
-            try:
-                size = listed.size(rel)
-            except FileNotFoundError:
-                result.problems.append(f"{self._source(step, rel)}: expected a file of {entry.size} bytes, "
-                                       "actual missing")
-                continue
-            except (OSError, ValueError) as e:
-                result.unreadable = result.unreadable or _can_heal(e)
-                result.problems.append(_problem(self._source(step, rel), "a readable regular file", e))
-                continue
-            if size != entry.size:
-                result.problems.append(f"{self._source(step, rel)}: size: expected {entry.size}, actual {size}")
-                continue
-            if deep:
-                result.problems.extend(self.verify_checksums(result.manifest, [rel], progress))
+        result.problems.extend(_counter_problems(self, result.manifest))
+        _check_files(self, result.manifest, result, progress)
         try:
-            result.problems.extend(self._unlisted_entries(result.manifest))
+            result.problems.extend(_unlisted_entries(self, result.manifest))
         except _Unreadable as e:
             result.unreadable = True
             result.problems.append(str(e))
         return result
-
-    def _source(self, step: int, rel: str) -> str:
-        return self.storage.url(self.step_path(step, rel))
-
-    def _unreadable_manifest(self, result: CheckResult, e: Exception) -> None:
-        """Why the manifest could not be read, sorted: damage (a link, a FIFO, a directory or a
-        loop where the manifest or step directory should be) is a broken checkpoint; a plain file
-        with a step's name is no checkpoint at all; only storage trouble is ``unreadable``."""
-        d = self.dirname(result.step)
-        if isinstance(e, UnsafePathError):
-            result.problems.append(str(e))
-            return
-        if not self.storage.isdir(d):
-            result.has_manifest = False  # a stray file with a step's name: not a checkpoint
-        else:
-            result.unreadable = _can_heal(e)
-        result.problems.append(_problem(self.storage.url(d), "a readable step directory", e))
-
-    def _counter_problems(self, manifest: Manifest) -> list[str]:
-        """Counters that contradict each other make the manifest invalid, so restore passes over it."""
-        global_batch = manifest.config.get("global_batch")
-        try:
-            manifest.train_state.check_invariants(
-                global_batch=global_batch if isinstance(global_batch, int) else None,
-                where=self.storage.url(self.manifest_path(manifest.step)))
-        except InvariantError as e:
-            return [str(e)]
-        return []
-
-    def _unlisted_entries(self, manifest: Manifest) -> list[str]:
-        """Entries of the step directory that the manifest does not list: planted or stray.
-
-        One listing, top level only: ``a`` counts as listed when a manifest path
-        is ``a`` or starts with ``a/``.
-        """
-        d = self.dirname(manifest.step)
-        try:
-            names = self.storage.listdir(d)
-        except (OSError, ValueError) as e:
-            if not _can_heal(e):
-                return [_problem(self.storage.url(d), "a listable step directory", e)]
-            raise _Unreadable(_problem(self.storage.url(d), "a listable step directory", e)) from e
-        # d itself: an object store's "directory marker" object lists as an entry of its own.
-        listed = {rel.split("/", 1)[0] for rel in manifest.files} | {self.layout.manifest_name, d}
-        problems = []
-        for name in names:
-            if name not in listed:
-                path = self.step_path(manifest.step, name)
-                kind = "directory" if self.storage.isdir(path) else "file"
-                problems.append(f"{self.storage.url(path)}: expected only the files the manifest "
-                                f"lists, actual an unlisted {kind}")
-        return problems
 
     def verify_checksums(self, manifest: Manifest, paths: Iterable[str],
                          progress: Callable[[int], None] | None = None, *,
@@ -496,8 +427,7 @@ class Run:
         """The newest committed checkpoint (within the bounds of ``discover``), falling back past
         torn or corrupt ones: (manifest or None, the newer steps passed over, with their reasons).
 
-        The one definition of discovery: the coordinator, the Megatron integration, the Slurm
-        hook and the CLI all call it (rank 0 only; the others are told).
+        The one definition of discovery; rank 0 calls it, the other ranks are told.
         """
         rejected: list[CheckResult] = []
         for result in self.discover(deep=deep, below=below, above=above, only=only):
@@ -572,15 +502,14 @@ class Run:
         return name
 
     def apply_retention(self, policy: KeepPolicy, *, just_committed: int | None = None) -> list[int]:
-        """Delete old committed checkpoints per policy; only after a newer one committed.
+        """Delete old committed checkpoints per policy, only behind a newer committed one; the
+        steps deleted, ascending.
 
-        Works from one listing, newest first: the commit check runs on the newest
-        checkpoints until ``keep_last`` committed ones are found, and then only on the
-        steps that may go; a step kept forever (``keep_every``) is not read again, nor is
-        ``just_committed``, the step whose commit (files recorded, manifest written) called
-        this. Leftovers without a manifest behind the newest commit (a crashed save, a
-        crashed deletion) are not checkpoints and never become one: their room is freed. A
-        damaged checkpoint (a manifest that fails the check) is left for the operator.
+        From one listing, newest first: the commit check runs until ``keep_last`` committed
+        steps are found, then only on steps that may go (never on one kept forever, nor on
+        ``just_committed``, the step whose commit called this). A deleted checkpoint loses its
+        manifest first; leftovers without a manifest behind the newest commit are removed; a
+        damaged checkpoint is left for the operator.
         """
         kept, newest, doomed, leftovers = 0, None, [], []
         listed = self.step_dirs()
@@ -633,3 +562,84 @@ class Run:
     def write_info(self, info: dict) -> None:
         body = {"schema": "resume.run", "schema_version": 1, "created_at": utc_now(), **info}
         self.storage.write_bytes_atomic(RUN_INFO, (json.dumps(body, indent=1) + "\n").encode())
+
+
+# -- the commit check's parts (``Run.check``) ---------------------------------------------
+
+
+def _check_files(run: Run, manifest: Manifest, result: CheckResult,
+                 progress: Callable[[int], None] | None) -> None:
+    """Each file ``manifest`` lists: present, a regular file, the right size (and checksum when
+    ``result.deep``); an error storage may heal from marks ``result`` unreadable."""
+    listed = _Sizes(run.storage, run.dirname(manifest.step))
+
+    def source(rel: str) -> str:
+        return run.storage.url(run.step_path(manifest.step, rel))
+
+    for rel, entry in sorted(manifest.files.items()):
+        try:
+            size = listed.size(rel)
+        except FileNotFoundError:
+            result.problems.append(f"{source(rel)}: expected a file of {entry.size} bytes, actual missing")
+            continue
+        except (OSError, ValueError) as e:
+            result.unreadable = result.unreadable or _can_heal(e)
+            result.problems.append(_problem(source(rel), "a readable regular file", e))
+            continue
+        if size != entry.size:
+            result.problems.append(f"{source(rel)}: size: expected {entry.size}, actual {size}")
+            continue
+        if result.deep:
+            result.problems.extend(run.verify_checksums(manifest, [rel], progress))
+
+
+def _note_unreadable_manifest(run: Run, result: CheckResult, e: Exception) -> None:
+    """Why the manifest could not be read, sorted: damage (a link, a FIFO, a directory or a
+    loop where the manifest or step directory should be) is a broken checkpoint; a plain file
+    with a step's name is no checkpoint at all; only storage trouble is ``unreadable``."""
+    d = run.dirname(result.step)
+    if isinstance(e, UnsafePathError):
+        result.problems.append(str(e))
+        return
+    if not run.storage.isdir(d):
+        result.has_manifest = False  # a stray file with a step's name: not a checkpoint
+    else:
+        result.unreadable = _can_heal(e)
+    result.problems.append(_problem(run.storage.url(d), "a readable step directory", e))
+
+
+def _counter_problems(run: Run, manifest: Manifest) -> list[str]:
+    """Counters that contradict each other make the manifest invalid, so restore passes over it."""
+    global_batch = manifest.config.get("global_batch")
+    try:
+        manifest.train_state.check_invariants(
+            global_batch=global_batch if isinstance(global_batch, int) else None,
+            where=run.storage.url(run.manifest_path(manifest.step)))
+    except InvariantError as e:
+        return [str(e)]
+    return []
+
+
+def _unlisted_entries(run: Run, manifest: Manifest) -> list[str]:
+    """Entries of the step directory that the manifest does not list: planted or stray.
+
+    One listing, top level only: ``a`` counts as listed when a manifest path
+    is ``a`` or starts with ``a/``.
+    """
+    d = run.dirname(manifest.step)
+    try:
+        names = run.storage.listdir(d)
+    except (OSError, ValueError) as e:
+        if not _can_heal(e):
+            return [_problem(run.storage.url(d), "a listable step directory", e)]
+        raise _Unreadable(_problem(run.storage.url(d), "a listable step directory", e)) from e
+    # d itself: an object store's "directory marker" object lists as an entry of its own.
+    listed = {rel.split("/", 1)[0] for rel in manifest.files} | {run.layout.manifest_name, d}
+    problems = []
+    for name in names:
+        if name not in listed:
+            path = run.step_path(manifest.step, name)
+            kind = "directory" if run.storage.isdir(path) else "file"
+            problems.append(f"{run.storage.url(path)}: expected only the files the manifest "
+                            f"lists, actual an unlisted {kind}")
+    return problems

@@ -6,15 +6,14 @@ atomic writes); everything else goes through fsspec, with tenacity retries
 around transient errors. Missing files raise ``FileNotFoundError`` untouched,
 so callers can tell "not there" from "storage broken".
 
-Every file under a run is untrusted input (DESIGN.md, Security): another job,
-another user or a broken host may have written it. So the primitives open
-regular files only, follow no symbolic link below the run's root (the root
-itself may be one: users point a run at a scratch directory), refuse a path
-that leaves the run (``..``), open without blocking (a FIFO is refused, never
-waited on) and check a file's size before reading it when the caller gives a
-``limit``. A refusal raises ``UnsafePathError``: a damaged checkpoint, never
-an outage (``is_damage``). ``delete`` and ``rename`` act on a symbolic link
-itself, never on what it points to.
+Every file under a run is untrusted input: another job, another user or a
+broken host may have written it. So the primitives open regular files only,
+follow no symbolic link below the run's root (the root itself may be one),
+refuse a path that leaves the run (``..``), open without blocking (a FIFO is
+refused, never waited on) and check a file's size before reading it when the
+caller gives a ``limit``. A refusal raises ``UnsafePathError``: a damaged
+checkpoint, never an outage (``is_damage``). ``delete`` and ``rename`` act on
+a symbolic link itself, never on what it points to.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ SMALL_FILE_CAP = 1 << 20
 control requests and answers, a rank's JSON state. Their real size is a few KiB."""
 
 MANIFEST_CAP = 64 << 20
-"""The most bytes read from a manifest (about 300,000 listed files)."""
+"""The most bytes read from a manifest."""
 
 
 def join(*parts: str) -> str:
@@ -117,6 +116,28 @@ def _kind(mode: int) -> str:
     return "a special file"
 
 
+def _refuse_odd(fd: int, name: str, where: str, expected: str) -> None:
+    """UnsafePathError if ``name`` (under ``fd``; ``where`` its URL) is a symbolic link, a FIFO,
+    a device or a socket; else nothing (the caller raises its own error)."""
+    try:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise UnsafePathError(f"{where}: expected {expected}, actual {_kind(mode)} "
+                              f"({'not followed' if stat.S_ISLNK(mode) else 'not read'})")
+
+
+def _regular_size(where: str, st: os.stat_result) -> int:
+    """The size of a regular file (``where`` its URL); IsADirectoryError for a directory
+    (damage, like ENOENT), UnsafePathError for anything else."""
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "expected a regular file, actual a directory", where)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(f"{where}: expected a regular file, actual {_kind(st.st_mode)} (not read)")
+    return st.st_size
+
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -174,22 +195,11 @@ class LocalStorage:
             child = os.open(part, _DIR_FLAGS, dir_fd=fd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                self._refuse_odd(fd, part, prefix, "a directory")
+                _refuse_odd(fd, part, self.url(prefix), "a directory")
             raise
         finally:
             os.close(fd)
         return child
-
-    def _refuse_odd(self, fd: int, name: str, path: str, expected: str) -> None:
-        """UnsafePathError if ``name`` (under ``fd``) is a symbolic link, a FIFO, a device or a
-        socket; else nothing (the caller raises its own error)."""
-        try:
-            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-        except OSError:
-            return
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise UnsafePathError(f"{self.url(path)}: expected {expected}, actual {_kind(mode)} "
-                                  f"({'not followed' if stat.S_ISLNK(mode) else 'not read'})")
 
     def _lstat(self, path: str) -> os.stat_result:
         """The entry at ``path`` itself (a link is a link); UnsafePathError for a link on the way."""
@@ -209,12 +219,12 @@ class LocalStorage:
                 f = os.open(name, _FILE_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno != errno.ENOENT:  # ELOOP: a link; ENXIO: a socket
-                    self._refuse_odd(fd, name, path, "a regular file")
+                    _refuse_odd(fd, name, self.url(path), "a regular file")
                 raise
         finally:
             os.close(fd)
         try:
-            check_size(self.url(path), self._regular(path, os.fstat(f)), limit)
+            check_size(self.url(path), _regular_size(self.url(path), os.fstat(f)), limit)
             os.set_blocking(f, True)
         except BaseException:
             os.close(f)
@@ -246,7 +256,7 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         """The size of the regular file at ``path`` (a link or special file is refused)."""
-        return self._regular(path, self._lstat(path))
+        return _regular_size(self.url(path), self._lstat(path))
 
     def sizes(self, path: str) -> dict[str, int]:
         fd = self._open_dir(self._parts(path))
@@ -260,17 +270,6 @@ class LocalStorage:
             return out
         finally:
             os.close(fd)
-
-    def _regular(self, path: str, st: os.stat_result) -> int:
-        """The size of a regular file; IsADirectoryError for a directory (damage, like ENOENT),
-        UnsafePathError for anything else."""
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, "expected a regular file, actual a directory",
-                                    self.url(path))
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{self.url(path)}: expected a regular file, actual "
-                                  f"{_kind(st.st_mode)} (not read)")
-        return st.st_size
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         fd = self._open_file(path, limit)
@@ -319,12 +318,12 @@ class LocalStorage:
             try:
                 fd = os.open(name, _NEW_FILE_FLAGS | os.O_APPEND | os.O_NONBLOCK, 0o644, dir_fd=dfd)
             except OSError:
-                self._refuse_odd(dfd, name, path, "a regular file")
+                _refuse_odd(dfd, name, self.url(path), "a regular file")
                 raise
         finally:
             os.close(dfd)
         with os.fdopen(fd, "ab") as f:
-            check_size(self.url(path), self._regular(path, os.fstat(fd)), limit)
+            check_size(self.url(path), _regular_size(self.url(path), os.fstat(fd)), limit)
             f.write(data)
 
     def makedirs(self, path: str) -> None:

@@ -331,7 +331,7 @@ def test_an_event_log_that_is_not_ours_is_moved_aside_and_never_written_through(
     elif plant == "fifo":
         os.mkfifo(log)
     else:
-        monkeypatch.setattr("resume.cluster.hook.EVENTS_CAP", 1000)
+        monkeypatch.setattr("resume.cluster.events.EVENTS_CAP", 1000)
         log.write_text("x" * 1001)
     sup, _ = hook(tmp_path, ["n1", "n2"], Launcher([lambda: FakeStep(0)]))
     assert sup.run() == 0
