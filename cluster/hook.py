@@ -37,7 +37,7 @@ from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: d
 
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
-from resume.errors import ResumeError, UsageError
+from resume.errors import EXIT_CRASH_LOOP, EXIT_UNRECOVERABLE, ResumeError, UsageError
 from resume.run import CheckResult, Run, detect_layout, utc_now
 from resume.storage import SMALL_FILE_CAP, is_damage
 from resume.text import clip, parse_json, short
@@ -49,8 +49,6 @@ from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 
-EXIT_CRASH_LOOP = 5
-EXIT_UNRECOVERABLE = 1
 EVENTS = "cluster/events.jsonl"
 STATE = "cluster/hook.json"
 TASK = (sys.executable, "-m", "resume.cluster.task", "--")
