@@ -40,9 +40,10 @@ def test_verify_of_a_step_that_is_not_there_prints_the_fields_of_the_error(run_c
 
 
 def test_verify_of_a_damaged_run_prints_each_problem_with_its_fields(run_copy):
-    shard = sorted(glob.glob(os.path.join(run_copy, "step-000000004", "*.distcp")))[0]
+    shard = min(glob.glob(os.path.join(run_copy, "step-000000004", "*.distcp")))
     flip_byte(shard)
-    manifest = json.loads(open(os.path.join(run_copy, "step-000000004", "manifest.json")).read())
+    with open(os.path.join(run_copy, "step-000000004", "manifest.json")) as f:
+        manifest = json.load(f)
     recorded = manifest["files"][os.path.basename(shard)]["checksum"]
     result = invoke("verify", run_copy, "--deep", "--json")
     assert result.exit_code == 1

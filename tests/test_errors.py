@@ -87,8 +87,9 @@ def test_an_error_of_ours_the_receiver_does_not_know_keeps_its_fields():
 
 
 def test_the_old_homes_of_the_errors_and_exit_codes_still_name_them():
-    from resume import control, faults
     from resume.cluster import hook, slurm
+
+    from resume import control, faults
 
     assert (slurm.EXIT_NO_SLURM, slurm.EXIT_NOT_IN_ALLOCATION, hook.EXIT_CRASH_LOOP, hook.EXIT_UNRECOVERABLE) \
         == (6, 7, 5, 1)
