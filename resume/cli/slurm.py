@@ -56,6 +56,11 @@ exit_signal_option = click.option(
          "e.g. SIGTERM) instead of a save request; the hook waits for the committed manifest.")
 
 
+launch_command = click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
+                                metavar="-- COMMAND...")
+"""The training step's launch command, after ``--``."""
+
+
 @slurm.command(name="run", context_settings={"ignore_unknown_options": True})
 @hook_options
 @click.option("--crash-loop", type=int, default=3, show_default=True,
@@ -65,8 +70,7 @@ exit_signal_option = click.option(
                    "[default: wait for the save as long as measured saves need].")
 @exit_signal_option
 @accept_change_option
-@click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
-                metavar="-- COMMAND...")
+@launch_command
 @command
 def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
               tasks_per_node: int, spares: int, crash_loop: int, grace: float | None,
@@ -99,8 +103,7 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
               help="Write the script here instead of printing it.")
 @exit_signal_option
 @accept_change_option
-@click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
-                metavar="-- COMMAND...")
+@launch_command
 @command
 def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
              tasks_per_node: int, spares: int, nodes: int, grace: int | None, time_limit: str | None,
