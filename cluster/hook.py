@@ -28,7 +28,7 @@ from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: d
 
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
-from resume.errors import ResumeError, UsageError
+from resume.errors import EXIT_CRASH_LOOP, EXIT_UNRECOVERABLE, ResumeError, UsageError
 from resume.run import Run, utc_now
 
 from .crash_loop import CrashLoopPolicy
@@ -42,8 +42,6 @@ from .watch import RunWatcher
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 
-EXIT_CRASH_LOOP = 5
-EXIT_UNRECOVERABLE = 1
 MAX_REFUSALS = 3
 """Refused launches in a row that end this allocation (the job is requeued elsewhere)."""
 

@@ -15,7 +15,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from resume.errors import ResumeError, UsageError
+from resume.errors import (
+    EXIT_NO_SLURM,
+    EXIT_NOT_IN_ALLOCATION,
+    NotInAllocationError,
+    SlurmError,
+    SlurmMissingError,
+    UsageError,
+)
 
 __all__ = [
     "EXIT_NOT_IN_ALLOCATION",
@@ -27,22 +34,6 @@ __all__ = [
     "SlurmMissingError",
     "parse_nodelist",
 ]
-
-EXIT_NO_SLURM = 6
-EXIT_NOT_IN_ALLOCATION = 7
-
-
-class SlurmError(ResumeError, RuntimeError):
-    """A Slurm command failed after its retries."""
-
-
-class SlurmMissingError(ResumeError, FileNotFoundError):
-    exit_code = EXIT_NO_SLURM
-
-
-class NotInAllocationError(ResumeError, RuntimeError):
-    exit_code = EXIT_NOT_IN_ALLOCATION
-
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 

@@ -63,11 +63,9 @@ def error_class(kind: str) -> type[ResumeError]:
 
 
 def rebuild(failure: Failure) -> ResumeError:
-    """The error another rank raised, raised here too (the same class and fields when it is ours)."""
-    cls = error_class(failure.kind)
-    if cls.__name__ == failure.kind:
-        return cls.from_fields(failure.fields)
-    return cls(failure.fields["message"])
+    """The error another rank raised, raised here too: the same class and fields when it is
+    ours; else the nearest class of ours, with the message and the fields every error has."""
+    return error_class(failure.kind).from_fields(failure.fields)
 
 
 _pause_lock = threading.Lock()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SaveFailedError, SaveTimeoutError
+from .errors import BadControlFile, SaveFailedError, SaveTimeoutError
 from .run import CONTROL, CheckResult, Run, utc_now
 from .storage import SMALL_FILE_CAP, is_damage, join
 
@@ -56,10 +56,6 @@ _REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "requested_at": (str,), "stop": (bool,), "reason": (str,), "host": (str,), "pid": (int,)}
 _ANSWER_FIELDS: dict[str, tuple[type, ...]] = {
     "request_id": (str,), "answered_at": (str,), "step": (int, type(None)), "error": (str, type(None))}
-
-
-class BadControlFile(ValueError):
-    """A control file that is not what its name says (ignored with a warning)."""
 
 
 @dataclass(frozen=True)

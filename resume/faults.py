@@ -34,6 +34,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from .errors import InjectedFault
+
 __all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "InjectedFault", "arm", "disarm", "fired", "parse", "point",
            "set_context"]
 
@@ -53,10 +55,6 @@ RANK0_POINTS = frozenset({"save.before_manifest", "save.after_manifest", "save.a
 ACTIONS = ("kill", "raise", "enospc", "eio")
 COLLECTIVE_EDGE = frozenset({"save.before_shards", "save.after_gather"})
 """Points right before a collective: an error there must happen on every rank or none."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised at an armed point with the ``raise`` action."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The layers hold: the core (``resume/``) knows no adapter, cluster or framework.
 
-Every module of ``resume/`` except the command line (``resume/cli.py``, the top
+Every module of ``resume/`` except the command line (the package ``resume/cli/``, the top
 layer, which may reach every layer) is parsed with ``ast`` and must not:
 
 - import ``resume.adapters``, ``resume.cluster`` or ``resume.drill``, anywhere in the
@@ -8,7 +8,9 @@ layer, which may reach every layer) is parsed with ``ast`` and must not:
 - import a framework (torch, Megatron) or click at module level: the core runs where
   neither is installed, and adapters hand it what it needs (``resume.comm.Comm``);
 - name a cluster's environment variable (a string starting with ``SLURM_`` or
-  ``TORCHELASTIC_``): ``cluster/`` reads the environment and passes the facts in.
+  ``TORCHELASTIC_``): ``cluster/`` reads the environment and passes the facts in;
+- import click or ``resume.cli`` anywhere, inside functions too: the core is a library that
+  the command line prints, and runs where click is not installed.
 
 Over the whole product (``resume/``, ``adapters/``, ``cluster/``, ``drill/``), the import
 graph (every import: lazy and type-only ones too) has no circle, ``resume.adapters``
@@ -23,11 +25,13 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parents[1] / "resume"
-TOP_LAYER = {"cli.py"}
-"""Modules of resume/ that may import every layer (paths relative to resume/)."""
+TOP_LAYER = "cli/"
+"""The package of resume/ whose modules may import every layer (a path relative to resume/)."""
 EDGES = ("resume.adapters", "resume.cluster", "resume.drill")
 MODULE_LEVEL_ONLY_IN_EDGES = ("torch", "torchdata", "megatron", "transformer_engine", "click")
 CLUSTER_ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_")
+ONLY_IN_THE_CLI = ("click", "resume.cli")
+"""Imported by no module of resume/ outside resume/cli/, at any level."""
 
 
 def _package(rel: str) -> str:
@@ -92,13 +96,62 @@ def layering_violations(source: str, rel: str) -> list[str]:
     return [f"{where}:{line}: {what}" for line, what in sorted(found)]
 
 
+def cli_violations(source: str, rel: str) -> list[str]:
+    """Each import of click or of ``resume.cli`` in ``resume/<rel>``, at any level (inside a
+    function, a class or under TYPE_CHECKING too), as ``resume/<rel>:<line>: <what>``."""
+    tree = ast.parse(source, filename=rel)
+    package, found = _package(rel), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = {root for name in _imported(node, package) if (root := _is_under(name, ONLY_IN_THE_CLI))}
+            found += [(node.lineno, f"imports {root} (only resume/cli/ may, at any level)") for root in sorted(names)]
+    return [f"resume/{rel}:{line}: {what}" for line, what in sorted(found)]
+
+
+def core_modules() -> list[Path]:
+    """Every module of resume/ outside the command line (``TOP_LAYER``)."""
+    modules = sorted(p for p in CORE.rglob("*.py") if not p.relative_to(CORE).as_posix().startswith(TOP_LAYER))
+    assert len(modules) > 10 and (CORE / TOP_LAYER / "__init__.py").exists(), \
+        f"expected the core's modules and the command line's package under {CORE}"
+    return modules
+
+
 def test_the_core_imports_no_edge_and_no_framework_and_reads_no_cluster_environment():
-    modules = sorted(p for p in CORE.rglob("*.py") if p.relative_to(CORE).as_posix() not in TOP_LAYER)
-    assert len(modules) > 10 and (CORE / "cli.py").exists(), f"expected the core's modules under {CORE}"
-    violations = [v for p in modules
+    violations = [v for p in core_modules()
                   for v in layering_violations(p.read_text(), p.relative_to(CORE).as_posix())]
     assert not violations, ("the core (resume/) leaks into other layers; move the knowledge to the edge "
-                            "(adapters/, cluster/, drill/) or to resume/cli.py:\n  " + "\n  ".join(violations))
+                            "(adapters/, cluster/, drill/) or to resume/cli/:\n  " + "\n  ".join(violations))
+
+
+def test_only_the_command_line_imports_click():
+    violations = [v for p in core_modules() for v in cli_violations(p.read_text(), p.relative_to(CORE).as_posix())]
+    assert not violations, ("click (and resume.cli) imported outside resume/cli/; return what is to be "
+                            "printed and let resume/cli/ print it:\n  " + "\n  ".join(violations))
+
+
+@pytest.mark.parametrize("source, what", [
+    ("import click\n", "imports click"),
+    ("def fail(message):\n    import click\n    click.echo(message, err=True)\n", "imports click"),
+    ("class Report:\n    def show(self):\n        from click import echo\n", "imports click"),
+    ("import click.testing as t\n", "imports click"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import click\n", "imports click"),
+    ("def main():\n    from resume.cli import cli\n", "imports resume.cli"),
+    ("def main():\n    from .cli.common import emit_json\n", "imports resume.cli"),
+])
+def test_the_click_check_catches_click_anywhere_outside_the_cli(source, what):
+    found = cli_violations(source, "x.py")
+    assert len(found) == 1 and what in found[0], found
+    assert found[0].startswith("resume/x.py:") and 0 < int(found[0].split(":")[1]) <= source.count("\n")
+
+
+@pytest.mark.parametrize("source", [
+    "import clickhouse\n",
+    "from resume.errors import error_details\nNAME = 'click'\n",
+    "from resume.client import connect\n",
+    '"""What ``resume.cli`` prints (it imports click; this module does not)."""\n',
+])
+def test_the_click_check_passes_what_the_core_may_do(source):
+    assert cli_violations(source, "x.py") == []
 
 
 @pytest.mark.parametrize("source, what", [

@@ -1,0 +1,5 @@
+"""``python -m resume.cli``: the ``resume`` command."""
+
+from resume.cli import main
+
+main()
