@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 from resume.errors import InvariantError
 
-from .megatron_ckpt import MEGATRON_LAYOUT
+from .layout import MEGATRON_LAYOUT
 
 if TYPE_CHECKING:
-    from .megatron import MegatronRecorder
+    from .recorder import MegatronRecorder
 
 __all__ = ["AsyncCommits", "SaveSnapshot"]
 

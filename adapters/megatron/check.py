@@ -20,7 +20,7 @@ checksums from then on.
 
 Nothing here unpickles a record: archives are checked from their zip directory
 and CRCs; ``.metadata`` goes through the allow-list unpickler of ``dcp_safe`` and
-the common state through ``megatron_ckpt``'s inert reader.
+the common state through ``common``'s inert reader.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from resume.errors import ResumeError, UnsafePathError
 from resume.storage import SMALL_FILE_CAP, Storage, join
 from resume.text import clip, parse_json, short
 
-from .megatron_ckpt import MEGATRON_LAYOUT, SAMPLE_COUNTERS, CommonState, read_common_state
+from .common import SAMPLE_COUNTERS, CommonState, read_common_state
+from .savedir import iteration_dirname
 
 __all__ = ["UNCAUGHT", "Counters", "SaveCheck", "check_save", "derived_counters"]
 
@@ -112,7 +113,7 @@ def check_save(storage: Storage, iteration: int, *, deep: bool = False,
                progress: Callable[[int], None] | None = None) -> SaveCheck:
     """Check ``iter_<iteration>/`` from Megatron's own metadata. Never raises for a bad save:
     each problem names the file it is about (and the record, for a record)."""
-    d = MEGATRON_LAYOUT.dirname(iteration)
+    d = iteration_dirname(iteration)
     check = SaveCheck(step=iteration, deep=deep)
     try:
         names = storage.listdir(d)
@@ -180,7 +181,7 @@ def _metadata_json_problems(storage: Storage, d: str, check: SaveCheck) -> list[
 def _read_metadata(storage: Storage, d: str, names: list[str], check: SaveCheck) -> Any:
     """DCP's ``.metadata`` through the allow-list unpickler (shape checked, bounds not: they
     are checked per file here, to name the file); None after adding the problem."""
-    from .dcp_safe import METADATA_CAP, restricted_load_metadata
+    from ..dcp_safe import METADATA_CAP, restricted_load_metadata
 
     path = join(d, ".metadata")
     source = storage.url(path)
@@ -229,7 +230,7 @@ def _record_problem(storage: Storage, path: str, records: list[tuple[int, int, s
                     progress: Callable[[int], None] | None) -> str | None:
     """Every record of a data file read: a stored torch.save archive inside the record whose
     members' CRC-32 match. The first bad record is named, with how many are bad."""
-    from .dcp_safe import _Window, check_archive
+    from ..dcp_safe import _Window, check_archive
 
     source = storage.url(path)
     bad: list[str] = []
