@@ -1,4 +1,4 @@
-"""Megatron-LM: ``resume`` over Megatron's own ``torch_dist`` checkpoints (``import resume.adapters.megatron``).
+"""Megatron-LM: ``resume`` over Megatron's own ``torch_dist`` checkpoints.
 
 Modules, each one job:
 

@@ -1,27 +1,14 @@
 """``resume megatron adopt``: a manifest for a Megatron save that ``resume`` never recorded.
 
-Operators install ``resume`` in the middle of a run, with iterations of
-Megatron checkpoints on disk and no manifest beside them. Adopting one
-(the newest that passes, or ``--iteration N``) after the deep check of
-``check`` writes ``iter_NNNNNNN/resume-manifest.json``:
-
-- the checksums of every file, taken now (from now on ``verify --deep`` and
-  the restore check compare against them);
-- the counters Megatron's common state gives: samples read is
-  ``consumed_train_samples``, successful updates the scheduler position over
-  the global batch, skipped the rest. A save without the scheduler's state
-  (``--no-save-optim``) cannot give them, and is refused rather than guessed;
-- the expectation computed from Megatron's saved arguments and scheduler: the
-  next global batch, the LR of the next K updates, the schedule, Megatron's
-  sample counters. RNG digests cannot be known without the process that saved
-  (``rng`` stays empty, so the restart does not compare it) and the param
-  groups' own LR overrides are not in the common state (the restart compares
-  the scheduler's LR; the next save records every group's).
-
-The manifest is marked ``expectation.megatron.adopted``. From the next restart
-with ``install()`` on, the continuity check covers the run. Nothing is ever
-replaced: an iteration with a manifest of ours is not adopted again.
+The newest save up to the tracker that passes ``check``'s deep check (or ``--iteration N``)
+is committed through ``StepCommit`` under the save directory's lease: the checksums of
+every file, taken now; the counters Megatron's common state gives (refused, never guessed,
+without the scheduler's state); the expectation from Megatron's saved arguments and
+scheduler. RNG digests and the param groups' own LR overrides cannot be known: ``rng``
+stays empty and the restart compares the scheduler's LR. The manifest is marked
+``expectation.megatron.adopted``; an iteration with a manifest of ours is never adopted again.
 """
+
 
 from __future__ import annotations
 
@@ -29,13 +16,12 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from resume.checksum import checksum_file
+from resume.commit import StepCommit
 from resume.errors import EXIT_PROBLEM, CheckpointNotFoundError, ResumeError, UsageError
 from resume.lease import Lease
-from resume.manifest import FileEntry, Manifest
+from resume.manifest import Manifest
 from resume.run import Run, utc_now
 from resume.state import TrainState
-from resume.storage import join
 
 from .check import SaveCheck, check_save
 from .layout import MEGATRON_LAYOUT
@@ -76,7 +62,7 @@ def adopt(save_dir: str, *, iteration: int | None = None, lr_lookahead: int = 3,
     lease = Lease(run.storage, ttl_s=120.0)
     lease.acquire()
     try:
-        return _adopt_first(run, candidates, iteration, lr_lookahead, progress)
+        return _adopt_first(run, lease, candidates, iteration, lr_lookahead, progress)
     finally:
         lease.release()
 
@@ -98,7 +84,7 @@ def _candidates(run: Run, tracker: int | None, iteration: int | None) -> list[in
     return found
 
 
-def _adopt_first(run: Run, candidates: list[int], pinned: int | None, lr_lookahead: int,
+def _adopt_first(run: Run, lease: Lease, candidates: list[int], pinned: int | None, lr_lookahead: int,
                  progress: Callable[[int], None] | None) -> Adopted:
     passed_over: list[tuple[int, str]] = []
     for step in candidates:
@@ -111,8 +97,10 @@ def _adopt_first(run: Run, candidates: list[int], pinned: int | None, lr_lookahe
             check = check_save(run.storage, step, deep=True, progress=progress)
             why = _refusal(check)
             if why is None:
-                manifest = _manifest(run, check, lr_lookahead)
-                run.write_manifest(manifest)
+                manifest = _manifest(check, lr_lookahead)
+                commit = StepCommit(run, step, lease=lease)  # synced, lease checked, then the manifest
+                files = [n for n in list_files(run, commit.dirname) if n != MEGATRON_LAYOUT.manifest_name]
+                commit.finalize([commit.checksum_share(sorted(files))], manifest)
                 return Adopted(step, manifest, passed_over=passed_over)
         if pinned is not None:
             raise AdoptRefusedError(f"{run.storage.url(run.dirname(step))}: cannot adopt: {why}")
@@ -132,17 +120,13 @@ def _refusal(check: SaveCheck) -> str | None:
     return None
 
 
-def _manifest(run: Run, check: SaveCheck, lr_lookahead: int) -> Manifest:
-    """The manifest of an adopted save: checksums now, counters and expectation from
-    Megatron's state (see the module docstring for what cannot be recorded)."""
+def _manifest(check: SaveCheck, lr_lookahead: int) -> Manifest:
+    """The manifest of an adopted save but its files (the commit adds their checksums, taken now):
+    counters and expectation from Megatron's state (see the module docstring for what cannot be
+    recorded)."""
     common = check.common
     counters = check.counters
     assert common is not None and counters is not None
-    d = run.dirname(check.step)
-    files = {}
-    for name in sorted(n for n in list_files(run, d) if n != MEGATRON_LAYOUT.manifest_name):
-        size, checksum = checksum_file(run.storage, join(d, name))
-        files[name] = FileEntry(size, checksum)
     args = types.SimpleNamespace(**common.args)
     gbs = common.args["global_batch_size"]
     state = TrainState(iteration=counters.iteration, samples_read=counters.samples_read,
@@ -163,7 +147,7 @@ def _manifest(run: Run, check: SaveCheck, lr_lookahead: int) -> Manifest:
                      "adopted": {"at": utc_now(), "by": ADOPTED_BY,
                                  "not_recorded": "RNG digests and the param groups' own LR overrides"}},
     }
-    return Manifest(step=check.step, train_state=state, files=files, expectation=expectation,
+    return Manifest(step=check.step, train_state=state, files={}, expectation=expectation,
                     topology=topology(args, world_size), config=run_config(args), adapter=ADAPTER_NAME)
 
 

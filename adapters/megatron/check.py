@@ -1,27 +1,16 @@
 """Checking a Megatron save that has no resume manifest, from Megatron's own metadata.
 
-A ``torch_dist`` save lists in its ``.metadata`` every record it wrote: the
-file, the offset and the length. Each record is a ``torch.save`` archive whose
-members carry a CRC-32 (torch writes one per member), and the records of a
-``.distcp`` file follow each other from its first byte to its last. So without
-any checksum of ours:
+``.metadata`` lists every record (file, offset, length); each record is a stored
+``torch.save`` archive whose members carry a CRC-32. So without checksums of ours: every
+file named must exist and hold its records, nothing may follow the last record, and
+``deep`` reads every record and checks every member's CRC-32.
 
-- every file ``.metadata`` names must exist, and every record must lie inside
-  its file (a truncated or deleted file is found by its size alone);
-- ``deep`` reads every record: its archive must be stored (torch.save never
-  compresses) and inside the record, and every member's CRC-32 must match
-  (a flipped byte anywhere in a record's data is found);
-- bytes after the last record are something Megatron did not write.
-
-What this cannot catch (``UNCAUGHT``, also in the README): a record replaced
-whole by another valid archive, and a change to ``.metadata``, ``metadata.json``
-or the common state that still reads. ``resume megatron adopt`` takes
-checksums from then on.
-
-Nothing here unpickles a record: archives are checked from their zip directory
-and CRCs; ``.metadata`` goes through the allow-list unpickler of ``dcp_safe`` and
-the common state through ``common``'s inert reader.
+Not caught (``UNCAUGHT``, also in the README): a record replaced whole by another valid
+archive, and a change to ``.metadata``, ``metadata.json`` or the common state that still
+reads. Nothing here unpickles a record (``.metadata``: ``dcp_safe``'s allow-list; the
+common state: ``common``'s inert reader).
 """
+
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from typing import Any
 from resume.collective import Collective
 from resume.comm import Comm, LocalComm
 from resume.commit import StepCommit
-from resume.control import ControlArea, SaveRequest
+from resume.control import ControlArea, SaveRequest, poll_everywhere
 from resume.errors import InvariantError
 from resume.lease import Lease
 from resume.manifest import Manifest
@@ -205,7 +205,7 @@ class MegatronRecorder:
         def local() -> dict:
             state = self.counters(iteration, args, scheduler)
             # Only rank 0's view of the next batch and the LR goes into the manifest;
-            # the others send their RNG digest (5,120 copies of 1,920 ids add up).
+            # the others send their RNG digest (one copy of the ids per rank would add up).
             part = {"state": state.to_dict(), "rng": rng_digest()}
             if self.comm.rank == 0:
                 part["expectation"] = self.expectation(state, args, scheduler, optimizer)
@@ -221,12 +221,12 @@ class MegatronRecorder:
 
     def commit_save(self, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
         """Collective, once the files are complete: rank 0 lists the directory once, every rank
-        checksums its share (a 7 TB checkpoint is read once, in parallel), rank 0 writes the
+        checksums its share (the checkpoint is read once, in parallel), rank 0 writes the
         manifest. The manifest on rank 0, None on the others."""
         commit = StepCommit(self.run, snapshot.iteration, lease=self._lease)
         what = f"manifest of {commit.dirname}"
-        # Each rank receives the names of its own share only (the directory of 5,120 ranks
-        # lists over 10,000 files: broadcast, every rank would receive them all).
+        # Each rank receives the names of its own share only (broadcast, every rank would
+        # receive the whole listing, which grows with the world size).
         share = self.collective.scatter(lambda: commit.shares(
             (n for n in list_files(self.run, commit.dirname) if n != MEGATRON_LAYOUT.manifest_name),
             self.comm.world_size), what, saving=True)
@@ -288,9 +288,8 @@ class MegatronRecorder:
 
     def poll_control(self) -> list[SaveRequest]:
         """Collective: the pending ``resume save`` requests (rank 0 looks, at most every control_poll_s)."""
-        requests = self.control.poll() if self.comm.rank == 0 else []
-        (has,) = self.comm.max_flags([bool(requests)])
-        return self.comm.broadcast_object(requests, src=0) if has else []
+        requests, _ = poll_everywhere(self.control, self.comm)
+        return requests
 
     def answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
         """Rank 0 answers the requests; the other ranks have nothing to do."""

@@ -22,7 +22,7 @@ from resume.collective import Collective
 from resume.continuity import Expectation, compare_config
 from resume.errors import CheckpointNotFoundError, ContinuityError, NoValidCheckpointError
 from resume.manifest import Manifest
-from resume.restore import verify_share
+from resume.restore import choose_verified, verify_share
 from resume.run import Run
 from resume.storage import join, open_storage
 
@@ -93,30 +93,14 @@ class MegatronRestart:
 
     def _search(self, pinned: int | None) -> _Search:
         """Collective: the newest committed checkpoint whose files verify (only ``pinned`` when set)."""
-        search = _Search()
-        below = pinned + 1 if pinned else None
-        while True:
-            manifest, rejected = self.collective.on_rank0(lambda b=below: self._find_latest(b, pinned))
-            search.passed_over += [(step, why) for step, why, _ in rejected]
-            search.recorded = search.recorded or manifest is not None or any(had for *_, had in rejected)
-            if manifest is None:
-                return search
-            problems = verify_share(self.run, self.collective, manifest) if self.verify_on_load else []
-            if not problems:
-                search.chosen = manifest
-                return search
-            search.passed_over.append((manifest.step, "; ".join(problems)))
-            if pinned:
-                return search
-            below = manifest.step
+        if not self.collective.on_rank0(lambda: self.run.storage.isdir("")):
+            return _Search()
 
-    def _find_latest(self, below: int | None, only: int | None) -> tuple[Manifest | None, list[tuple]]:
-        """Rank 0: ``Run.find_latest`` below ``below``; what it passed over as (iteration, why,
-        had a manifest), small enough to send to every rank."""
-        if not self.run.storage.isdir(""):
-            return None, []
-        manifest, rejected = self.run.find_latest(below=below, only=only)
-        return manifest, [(r.step, r.reason, r.has_manifest) for r in rejected]
+        def problems(manifest: Manifest) -> list[str]:
+            return verify_share(self.run, self.collective, manifest) if self.verify_on_load else []
+        choice = choose_verified(self.run, self.collective, problems, only=pinned)
+        return _Search(choice.manifest, [(step, why) for step, why, _ in choice.passed_over],
+                       recorded=choice.manifest is not None or any(had for *_, had in choice.passed_over))
 
     def _without_manifest(self, pinned: int | None, search: _Search, args: Any) -> None:
         """Collective: nothing of ours to load. Refused when ``--ckpt-step`` names a missing
@@ -171,7 +155,8 @@ class MegatronRestart:
             args.ckpt_step = chosen.step
         if self._non_persistent_wins(args, chosen.step):
             log.warning("resume: Megatron prefers its non-persistent checkpoint over %s: no resume "
-                        "manifest, continuity is NOT checked for this restart", iteration_dirname(chosen.step))
+                        "manifest, continuity is NOT checked for this restart",
+                        iteration_dirname(chosen.step))
             return None
         return Loaded(chosen, source)
 
@@ -213,9 +198,9 @@ class MegatronRestart:
         flat = [row[0] for row in schedule.lr_ahead(position, args.global_batch_size, len(recorded))]
         if flat != recorded:
             i = next(i for i, (a, b) in enumerate(zip(recorded, flat)) if a != b)
+            where = megatron_lr_numbering(manifest.train_state.iteration, i)
             error = ContinuityError(f"lr_ahead[+{i}]", recorded[i], flat[i],
-                                    f"{who} another LR {megatron_lr_numbering(manifest.train_state.iteration, i)} "
-                                    f"than the checkpoint's schedule{why}")
+                                    f"{who} another LR {where} than the checkpoint's schedule{why}")
             if not self.accept_schedule_change:
                 raise error
             log.warning("resume: accepted schedule change: %s", error)

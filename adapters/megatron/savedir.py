@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import re
 
-from resume.errors import CheckpointNotFoundError, ManifestError, ResumeError, RunNotFoundError, UnsafePathError
+from resume.errors import (
+    CheckpointNotFoundError,
+    ManifestError,
+    ResumeError,
+    RunNotFoundError,
+    UnsafePathError,
+)
 from resume.storage import SMALL_FILE_CAP, Storage, join
 from resume.text import parse_json, short
 
