@@ -26,16 +26,19 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BadControlFile, SaveFailedError, SaveTimeoutError
 from .run import CONTROL, CheckResult, Run, utc_now
 from .storage import SMALL_FILE_CAP, is_damage, join
 
-__all__ = ["ControlArea", "SaveRequest", "SignalFlag", "answer_request", "pending_requests", "post_save_request",
-           "wait_for_answer"]
+if TYPE_CHECKING:
+    from .comm import Comm
+
+__all__ = ["ControlArea", "SaveRequest", "SignalFlag", "answer_request", "pending_requests",
+           "poll_everywhere", "post_save_request", "wait_for_answer"]
 
 log = logging.getLogger("resume")
 
@@ -213,6 +216,18 @@ class ControlArea:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def poll_everywhere(control: ControlArea, comm: Comm,
+                    flags: Sequence[bool] = ()) -> tuple[list[SaveRequest], list[int]]:
+    """Collective: rank 0 polls ``control``; one all-reduce (max) carries ``flags`` and whether
+    there are requests, which travel only when there are some. Returns the requests (alike on
+    every rank) and the flags maxed over the ranks."""
+    requests = control.poll() if comm.rank == 0 else []
+    *maxed, has_requests = comm.max_flags([*flags, bool(requests)])
+    if has_requests:
+        requests = comm.broadcast_object(requests, src=0)
+    return requests, maxed
 
 
 class SignalFlag:

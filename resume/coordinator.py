@@ -33,7 +33,7 @@ from .collective import Collective
 from .commit import StepCommit, rank_state_name
 from .config import CoordinatorConfig, as_json
 from .continuity import Expectation, matched
-from .control import ControlArea, SaveRequest, SignalFlag
+from .control import ControlArea, SaveRequest, SignalFlag, poll_everywhere
 from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
 from .lease import Lease
 from .lookahead import END, NextIteration
@@ -247,13 +247,10 @@ class Coordinator:
     # -- the iteration boundary -----------------------------------------------------------
 
     def _maybe_save_at_boundary(self) -> bool:
-        requests: list[SaveRequest] = self._control.poll() if self.rank == 0 else []
         # One small all-reduce per iteration: every rank learns every flag, so all ranks save
-        # the same iteration. The requests themselves travel only when there are some.
-        wants_save, wants_stop, has_requests = self.comm.max_flags([
-            self._save_requested, self._stop_requested or self._signals.signum is not None, bool(requests)])
-        if has_requests:
-            requests = self.comm.broadcast_object(requests, src=0)
+        # the same iteration.
+        requests, (wants_save, wants_stop) = poll_everywhere(self._control, self.comm, [
+            self._save_requested, self._stop_requested or self._signals.signum is not None])
         decision = self._decide(DecisionContext(self.state.iteration, requested=bool(wants_save),
                                                 stop=bool(wants_stop), requests=tuple(requests)))
         self._save_requested = False

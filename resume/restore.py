@@ -37,13 +37,13 @@ from .errors import (
 )
 from .manifest import Manifest
 from .rng import RngRegistry, check_state
-from .run import CheckResult, Run
+from .run import Run
 from .state import TrainState
 from .storage import join
 from .text import clip, short
 
-__all__ = ["Restored", "Restorer", "check_counters", "check_first_update", "check_lrs", "check_rank_state",
-           "rank_state_problems", "read_rank_state", "verify_share"]
+__all__ = ["Choice", "Restored", "Restorer", "check_counters", "check_first_update", "check_lrs",
+           "check_rank_state", "choose_verified", "rank_state_problems", "read_rank_state", "verify_share"]
 
 log = logging.getLogger("resume")
 
@@ -82,25 +82,17 @@ class Restorer:
         checkpoint is passed over for the previous one. With ``prepare`` the reads overlap the
         adapter's ``prepare_load()``.
         """
-        broken: list[tuple[int, str]] = []  # a manifest exists, but the checkpoint is damaged
-        torn: list[tuple[int, str]] = []    # no manifest: a save that never finished
-        chosen, below = None, None
-        while chosen is None:
-            manifest, rejected = self.coll.on_rank0(lambda b=below: self.run.find_latest(below=b))
-            _sort_rejected(rejected, broken, torn)
-            if manifest is None:
-                break
-            problems = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
-            if self.settings.verify_on_restore and not problems:
-                problems = self._rank_state_problems(manifest) or self.coll.on_rank0(
+        def problems(manifest: Manifest) -> list[str]:
+            found = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
+            if self.settings.verify_on_restore and not found:
+                found = self._rank_state_problems(manifest) or self.coll.on_rank0(
                     lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step)))
-            if problems:
-                broken.append((manifest.step, "; ".join(problems)))
-                below = manifest.step
-            else:
-                chosen = manifest
-        self._after_choice(chosen, broken, torn)
-        return chosen
+            return found
+        choice = choose_verified(self.run, self.coll, problems)
+        broken = [(step, why) for step, why, had in choice.passed_over if had]  # damaged checkpoints
+        torn = [(step, why) for step, why, had in choice.passed_over if not had]  # saves never finished
+        self._after_choice(choice.manifest, broken, torn)
+        return choice.manifest
 
     def _after_choice(self, chosen: Manifest | None, broken: list, torn: list) -> None:
         if self.coll.rank == 0:
@@ -336,6 +328,42 @@ def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
                        combine=concat, everywhere=True)
 
 
+@dataclass
+class Choice:
+    """What ``choose_verified`` found: the checkpoint chosen (None: none), and what it passed over."""
+
+    manifest: Manifest | None
+    passed_over: list[tuple[int, str, bool]]
+    """(step, why, had a manifest), newest first."""
+
+
+def choose_verified(run: Run, coll: Collective, problems: Callable[[Manifest], list[str]], *,
+                    only: int | None = None) -> Choice:
+    """Collective: the newest committed checkpoint in which ``problems`` (collective, the same list
+    on every rank) finds none. Rank 0 discovers (``Run.find_latest``) and every rank is told; a
+    checkpoint with problems is passed over for the next older one (``only``: that step alone)."""
+    passed_over: list[tuple[int, str, bool]] = []
+    below = None
+    while True:
+        manifest, rejected = coll.on_rank0(lambda b=below: _find_latest(run, b, only))
+        passed_over += rejected
+        if manifest is None:
+            return Choice(None, passed_over)
+        found = problems(manifest)
+        if not found:
+            return Choice(manifest, passed_over)
+        passed_over.append((manifest.step, "; ".join(found), True))
+        if only is not None:
+            return Choice(None, passed_over)
+        below = manifest.step
+
+
+def _find_latest(run: Run, below: int | None, only: int | None) -> tuple[Manifest | None, list[tuple]]:
+    """Rank 0: ``Run.find_latest``, what it passed over as (step, why, had a manifest): small to send."""
+    manifest, rejected = run.find_latest(below=below, only=only)
+    return manifest, [(r.step, r.reason, r.has_manifest) for r in rejected]
+
+
 @contextlib.contextmanager
 def _damage_as_corrupt(where: str) -> Iterator[None]:
     """What a well-formed but wrong rank state makes a loader or generator raise (a NaN
@@ -346,11 +374,6 @@ def _damage_as_corrupt(where: str) -> Iterator[None]:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {clip(str(e), 200)}") from e
-
-
-def _sort_rejected(rejected: list[CheckResult], broken: list, torn: list) -> None:
-    for result in rejected:
-        (broken if result.has_manifest else torn).append((result.step, result.reason))
 
 
 def _moves_lr(item: str) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from click.testing import CliRunner
-from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+from resume.adapters.megatron import MEGATRON_LAYOUT
 from support.checkpoints import flip_byte, write_checkpoint
 from support.cli import invoke
 from support.workloads import Setup, build, train

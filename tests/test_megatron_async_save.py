@@ -97,7 +97,7 @@ def test_the_manifest_lists_the_complete_files_and_verify_checks_their_checksums
 def test_a_job_killed_before_the_finalize_leaves_that_iteration_uncommitted(killed):
     """Killed after the worker wrote iter_0000005 and before Megatron finalized it: no manifest,
     not committed for resume nor for Megatron's tracker; 2 and 3, finalized before, stay committed."""
-    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT
 
     from resume.run import Run
 
@@ -158,7 +158,7 @@ def test_the_commit_goes_on_the_request_that_carries_megatrons_finalize_function
     a logits request carrying them all: the commit goes with them, never on the empty one."""
     import types
 
-    from resume.adapters.megatron_async import AsyncCommits
+    from resume.adapters.megatron.asyncsave import AsyncCommits
 
     scheduled = []
     commits = AsyncCommits(scheduled.append, lambda **kw: None)
@@ -176,7 +176,7 @@ def test_the_commit_goes_on_the_request_that_carries_megatrons_finalize_function
 
 
 def test_waiting_for_a_commit_finalizes_only_when_that_iteration_is_pending():
-    from resume.adapters.megatron_async import AsyncCommits
+    from resume.adapters.megatron.asyncsave import AsyncCommits
 
     calls = []
     commits = AsyncCommits(lambda request: None, lambda **kw: calls.append(kw))

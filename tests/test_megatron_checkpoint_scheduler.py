@@ -17,7 +17,7 @@ import shutil
 import sys
 
 import pytest
-from resume.adapters.megatron_schedule import MegatronSchedule, ignored_schedule_arguments, schedule_arguments
+from resume.adapters.megatron.schedule import MegatronSchedule, ignored_schedule_arguments, schedule_arguments
 from support.ranks import run_ranks
 
 FLAG = "--use-checkpoint-opt_param-scheduler"
@@ -186,7 +186,7 @@ def test_table_matches_megatrons_parser_and_scheduler(kind, change, named):
     from support.megatron import require_megatron
 
     require_megatron()
-    from resume.adapters.megatron_args import import_megatron_arguments
+    from resume.adapters.megatron.args import import_megatron_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     import_megatron_arguments().add_megatron_arguments(parser)

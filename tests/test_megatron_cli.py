@@ -124,7 +124,7 @@ def test_common_state_reader_calls_nothing_from_the_pickle(tmp_path):
     import io
 
     import torch
-    from resume.adapters.megatron_ckpt import Opaque, common_state_from_dict, unpickle_torch_save
+    from resume.adapters.megatron.common import Opaque, common_state_from_dict, unpickle_torch_save
 
     marker = tmp_path / "code-ran"
     args = argparse.Namespace(global_batch_size=8, consumed_train_samples=40,

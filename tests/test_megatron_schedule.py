@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from resume.adapters.megatron_args import REFERENCE
-from resume.adapters.megatron_schedule import MegatronSchedule
+from resume.adapters.megatron.args import REFERENCE
+from resume.adapters.megatron.schedule import MegatronSchedule
 from support.megatron import require_megatron, stub_optimizer
 
 GBS = REFERENCE.global_batch
@@ -76,7 +76,7 @@ def test_other_decay_styles_and_group_overrides_equal_megatron(style):
 @pytest.mark.megatron
 def test_schedule_from_args_equals_the_one_megatron_training_builds():
     require_megatron()
-    from resume.adapters.megatron_args import check_with_megatron_parser
+    from resume.adapters.megatron.args import check_with_megatron_parser
 
     args = check_with_megatron_parser(REFERENCE)
     assert MegatronSchedule.from_args(args) == reference_schedule()

@@ -39,7 +39,7 @@ def _train_state(save_dir: str, iteration: int) -> dict:
 
 
 def _committed(save_dir: str) -> list[int]:
-    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT
 
     from resume.run import Run
 

@@ -124,7 +124,7 @@ def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict
     import signal
 
     from resume.adapters.megatron import install
-    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT
     from support import megatron_training_run as m
 
     from resume.control import post_save_request

@@ -186,7 +186,7 @@ def test_counters_that_cannot_be_derived_are_unknown_not_guessed(saves):
 
 
 def test_the_readme_and_runbook_say_what_cannot_be_caught_and_name_each_state():
-    from resume.adapters.megatron_check import UNCAUGHT
+    from resume.adapters.megatron.check import UNCAUGHT
 
     with open(README) as f:
         readme = " ".join(f.read().split())

@@ -77,7 +77,7 @@ def finalize(*, blocking: bool, terminate: bool = False) -> None:
 
 def look(save_dir: str, iteration: int) -> dict:
     """What an observer sees of ``iter_<iteration>`` now."""
-    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT
 
     from resume.run import Run
 
@@ -166,7 +166,7 @@ def request_answered_after_commit(rank: int, world: int, save_dir: str) -> dict:
     """A `resume save` request under --async-save, handled by the installed
     checkpoint_and_decide_exit: what is on disk when it returns (the answer written)."""
     from resume.adapters.megatron import install
-    from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT
 
     from resume.control import post_save_request
     from resume.run import Run

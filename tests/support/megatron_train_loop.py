@@ -108,7 +108,7 @@ class Events:
             return
         self.seen.add(iteration)
         if iteration == self.config.get("request_at"):
-            from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT
+            from resume.adapters.megatron import MEGATRON_LAYOUT
 
             from resume.control import post_save_request
             from resume.run import Run

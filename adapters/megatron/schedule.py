@@ -1,22 +1,14 @@
 """Megatron-Core's learning-rate schedule, computed without Megatron.
 
-``resume verify``, ``inspect`` and the pre-load check read a Megatron
-checkpoint on machines without megatron-core installed, and must still say
-what the LR at the next updates will be. This is the arithmetic of
-``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.get_lr``
-(0.19.2), operation for operation, so that the values are *equal* to
-Megatron's, not merely close (tests compare them with ``==`` at the reference
-schedule's corners and at 1,000 random points against the real class).
-
-``schedule_arguments`` says which ``megatron.training`` argument sets which field
-of the scheduler's saved state, and to what; with it ``ignored_schedule_arguments``
-names, for the restart check, each argument Megatron ignores under
-``--use-checkpoint-opt_param-scheduler`` with the checkpoint's value.
-
-Positions are in Megatron's own unit: ``num_steps`` counts samples (each
-successful update advances it by the global batch, in sample-based and in
-iteration-based training alike).
+The arithmetic of ``OptimizerParamScheduler.get_lr`` (megatron-core 0.19.2), operation for
+operation: the values are *equal* to Megatron's (the tests compare with ``==`` against the
+real class), so ``verify``, ``inspect`` and the pre-load check need no megatron-core.
+``schedule_arguments`` maps ``megatron.training`` arguments to the fields of the
+scheduler's saved state; ``ignored_schedule_arguments`` names those Megatron ignores under
+``--use-checkpoint-opt_param-scheduler``. Positions are in samples (``num_steps``: each
+successful update advances it by the global batch).
 """
+
 
 from __future__ import annotations
 

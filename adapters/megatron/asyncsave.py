@@ -1,33 +1,19 @@
 """Megatron's ``--async-save``: our manifest is written when Megatron finalizes the save.
 
-With ``--async-save``, megatron.training's ``save_checkpoint`` returns as soon as the
-save is scheduled (``schedule_async_save``): a background worker writes the shards
-while training goes on. The save is finalized later by ``maybe_finalize_async_save``
-(every iteration without waiting, and waiting at the end of training and before an
-exit), on every rank together, once an all-reduce says every rank's write is done:
-the request's finalize functions run in order, dist_checkpointing's first
-(``.metadata``, ``metadata.json``), then Megatron's (the tracker, on rank 0).
+Megatron's ``save_checkpoint`` returns once the save is scheduled; the save is finalized
+later (``maybe_finalize_async_save``), on every rank together, once every rank's write is
+done: dist_checkpointing's finalize functions, then Megatron's (the tracker).
+``AsyncCommits`` appends our commit to them. Invariants:
 
-``AsyncCommits`` appends our commit to those finalize functions. What must stay true:
-
-- The manifest (the commit) is written in Megatron's finalize step, after Megatron's
-  own finalize functions, never before: a job killed between the schedule and the
-  finalize leaves the iteration without a manifest, so discovery, ``resume ls``,
-  ``verify`` and the Slurm hook pass it over as uncommitted, and a restart loads the
-  last finalized one.
-- What the manifest says of the training (the three counters, the next batch, the LR
-  ahead, every rank's RNG digest) is taken when the save is scheduled, at the iteration
-  saved: by the finalize, training has moved on. Only the file records (the listing and
-  the checksums) are taken at the finalize, from the complete files.
-- Finalize functions run on every rank in the same order, and Megatron's contain
-  barriers; ours is appended last on every rank, so its collectives line up.
-- Two saves of the same iteration never write at once: a save of an iteration whose
-  earlier save is still pending first finalizes that one (``maybe_wait_for_commit``).
-
-A ``resume save`` request must be answered only once its step is committed: the code
-that answers calls ``maybe_wait_for_commit(step)`` first, which finalizes (waiting)
-when that step's save is still pending.
+- the manifest is written in Megatron's finalize step, after Megatron's own finalize
+  functions: a job killed before it leaves the iteration uncommitted, passed over;
+- what the manifest says of the training (counters, next batch, LR ahead, RNG digests) is
+  taken when the save is scheduled; only the file records are taken at the finalize;
+- ours is appended last on every rank, so its collectives line up;
+- two saves of one iteration never write at once, and a ``resume save`` request is
+  answered only once its step is committed (``maybe_wait_for_commit`` first).
 """
+
 
 from __future__ import annotations
 
@@ -38,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from resume.errors import InvariantError
 
-from .megatron_ckpt import MEGATRON_LAYOUT
+from .layout import MEGATRON_LAYOUT
 
 if TYPE_CHECKING:
-    from .megatron import MegatronRecorder
+    from .recorder import MegatronRecorder
 
 __all__ = ["AsyncCommits", "SaveSnapshot"]
 

@@ -1,27 +1,16 @@
 """Checking a Megatron save that has no resume manifest, from Megatron's own metadata.
 
-A ``torch_dist`` save lists in its ``.metadata`` every record it wrote: the
-file, the offset and the length. Each record is a ``torch.save`` archive whose
-members carry a CRC-32 (torch writes one per member), and the records of a
-``.distcp`` file follow each other from its first byte to its last. So without
-any checksum of ours:
+``.metadata`` lists every record (file, offset, length); each record is a stored
+``torch.save`` archive whose members carry a CRC-32. So without checksums of ours: every
+file named must exist and hold its records, nothing may follow the last record, and
+``deep`` reads every record and checks every member's CRC-32.
 
-- every file ``.metadata`` names must exist, and every record must lie inside
-  its file (a truncated or deleted file is found by its size alone);
-- ``deep`` reads every record: its archive must be stored (torch.save never
-  compresses) and inside the record, and every member's CRC-32 must match
-  (a flipped byte anywhere in a record's data is found);
-- bytes after the last record are something Megatron did not write.
-
-What this cannot catch (``UNCAUGHT``, also in the README): a record replaced
-whole by another valid archive, and a change to ``.metadata``, ``metadata.json``
-or the common state that still reads. ``resume megatron adopt`` takes
-checksums from then on.
-
-Nothing here unpickles a record: archives are checked from their zip directory
-and CRCs; ``.metadata`` goes through the allow-list unpickler of ``dcp_safe`` and
-the common state through ``megatron_ckpt``'s inert reader.
+Not caught (``UNCAUGHT``, also in the README): a record replaced whole by another valid
+archive, and a change to ``.metadata``, ``metadata.json`` or the common state that still
+reads. Nothing here unpickles a record (``.metadata``: ``dcp_safe``'s allow-list; the
+common state: ``common``'s inert reader).
 """
+
 
 from __future__ import annotations
 
@@ -36,7 +25,8 @@ from resume.errors import ResumeError, UnsafePathError
 from resume.storage import SMALL_FILE_CAP, Storage, join
 from resume.text import clip, parse_json, short
 
-from .megatron_ckpt import MEGATRON_LAYOUT, SAMPLE_COUNTERS, CommonState, read_common_state
+from .common import SAMPLE_COUNTERS, CommonState, read_common_state
+from .savedir import iteration_dirname
 
 __all__ = ["UNCAUGHT", "Counters", "SaveCheck", "check_save", "derived_counters"]
 
@@ -112,7 +102,7 @@ def check_save(storage: Storage, iteration: int, *, deep: bool = False,
                progress: Callable[[int], None] | None = None) -> SaveCheck:
     """Check ``iter_<iteration>/`` from Megatron's own metadata. Never raises for a bad save:
     each problem names the file it is about (and the record, for a record)."""
-    d = MEGATRON_LAYOUT.dirname(iteration)
+    d = iteration_dirname(iteration)
     check = SaveCheck(step=iteration, deep=deep)
     try:
         names = storage.listdir(d)
@@ -180,7 +170,7 @@ def _metadata_json_problems(storage: Storage, d: str, check: SaveCheck) -> list[
 def _read_metadata(storage: Storage, d: str, names: list[str], check: SaveCheck) -> Any:
     """DCP's ``.metadata`` through the allow-list unpickler (shape checked, bounds not: they
     are checked per file here, to name the file); None after adding the problem."""
-    from .dcp_safe import METADATA_CAP, restricted_load_metadata
+    from ..dcp_safe import METADATA_CAP, restricted_load_metadata
 
     path = join(d, ".metadata")
     source = storage.url(path)
@@ -229,7 +219,7 @@ def _record_problem(storage: Storage, path: str, records: list[tuple[int, int, s
                     progress: Callable[[int], None] | None) -> str | None:
     """Every record of a data file read: a stored torch.save archive inside the record whose
     members' CRC-32 match. The first bad record is named, with how many are bad."""
-    from .dcp_safe import _Window, check_archive
+    from ..dcp_safe import _Window, check_archive
 
     source = storage.url(path)
     bad: list[str] = []
