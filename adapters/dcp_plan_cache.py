@@ -65,6 +65,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from resume.errors import PlanCacheMismatchError
+
 log = logging.getLogger("resume")
 
 __all__ = ["CachingSavePlanner", "PlanCacheMismatchError", "SavePlanCache", "is_supported"]
@@ -103,10 +105,6 @@ def same_plan(plan: SavePlan, other: SavePlan) -> bool:
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
     return _compare_save_plans(plan, other) and plan == other
-
-
-class PlanCacheMismatchError(RuntimeError):
-    """Rank 0 has no cached plans while a rank sent an empty one (it believes rank 0 does)."""
 
 
 class CachingSavePlanner(DefaultSavePlanner):

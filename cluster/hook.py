@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resume.adapters.megatron_ckpt import MEGATRON_LAYOUT  # and registers it: detect_layout knows it
+from resume.adapters.megatron import MEGATRON_LAYOUT  # and registers it: detect_layout knows it
 
 from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request

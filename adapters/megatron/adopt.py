@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from resume.commit import StepCommit
-from resume.errors import EXIT_PROBLEM, CheckpointNotFoundError, ResumeError, UsageError
+from resume.errors import AdoptRefusedError, CheckpointNotFoundError, UsageError
 from resume.lease import Lease
 from resume.manifest import Manifest
 from resume.run import Run, utc_now
@@ -31,12 +31,6 @@ from .savedir import read_tracker
 __all__ = ["AdoptRefusedError", "Adopted", "adopt"]
 
 ADOPTED_BY = "resume megatron adopt"
-
-
-class AdoptRefusedError(ResumeError, RuntimeError):
-    """The save asked for (or every candidate) cannot be adopted; the message says why."""
-
-    exit_code = EXIT_PROBLEM
 
 
 @dataclass

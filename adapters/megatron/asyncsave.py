@@ -20,18 +20,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from resume.errors import InvariantError
+from resume.run import Run
 
 from .layout import MEGATRON_LAYOUT
-
-if TYPE_CHECKING:
-    from .recorder import MegatronRecorder
 
 __all__ = ["AsyncCommits", "SaveSnapshot"]
 
 log = logging.getLogger("resume")
+
+
+class SaveRecorder(Protocol):
+    """What an asynchronous save needs of the recorder (``MegatronRecorder`` is one)."""
+
+    run: Run
+
+    def before_save(self, iteration: int) -> None: ...
+
+    def snapshot_save(self, iteration: int, args: Any, scheduler: Any, optimizer: Any) -> SaveSnapshot: ...
+
+    def commit_save(self, snapshot: SaveSnapshot, args: Any) -> Any: ...
 
 
 @dataclass
@@ -86,7 +96,7 @@ class AsyncCommits:
             self._armed = None
         return self._schedule(request)
 
-    def save(self, recorder: MegatronRecorder, iteration: int, args: Any, scheduler: Any, optimizer: Any,
+    def save(self, recorder: SaveRecorder, iteration: int, args: Any, scheduler: Any, optimizer: Any,
              megatron_save: Callable[[], Any]) -> Any:
         """Collective: one recorded async save; ``megatron_save`` is Megatron's ``save_checkpoint``.
 
@@ -111,7 +121,7 @@ class AsyncCommits:
             raise
         return result
 
-    def _commit(self, recorder: MegatronRecorder, snapshot: SaveSnapshot, args: Any) -> None:
+    def _commit(self, recorder: SaveRecorder, snapshot: SaveSnapshot, args: Any) -> None:
         """Megatron's finalize step, every rank: the files are complete (all-reduced), commit them."""
         try:
             recorder.commit_save(snapshot, args)

@@ -14,7 +14,7 @@ import click
 
 # The adapters' run layouts register themselves at import (cheap: no framework is imported),
 # so that every command here detects a framework's own save directory (Megatron-LM's --save).
-from ..adapters import megatron_ckpt  # noqa: F401
+from ..adapters.megatron import MEGATRON_LAYOUT  # noqa: F401
 from .checkpoints import inspect, ls_command, save, verify
 from .drill import drill
 from .megatron import megatron

@@ -1,6 +1,6 @@
 """``resume megatron args | adopt``: Megatron-LM's arguments, and recording a save of its own.
 
-The Megatron modules (``resume.adapters.megatron_args``, ``resume.adapters.megatron_adopt``)
+The Megatron modules (``resume.adapters.megatron.args``, ``resume.adapters.megatron.adopt``)
 are imported inside the commands, so ``resume --help`` never imports them.
 """
 
@@ -42,7 +42,7 @@ def megatron_args(save_dir: str | None, world_size: int | None, tp: int | None, 
     and exit flags `resume` relies on. Exits 0; 1 if --check finds a problem."""
     import dataclasses
 
-    from ..adapters.megatron_args import REFERENCE, check_with_megatron_parser
+    from ..adapters.megatron.args import REFERENCE, check_with_megatron_parser
 
     given = {"save_dir": save_dir, "world_size": world_size, "tensor_parallel": tp,
              "pipeline_parallel": pp, "save_interval": save_interval, "exit_signal": exit_signal}
@@ -92,7 +92,7 @@ def megatron_adopt(save_dir: str, iteration: int | None, lr_lookahead: int, as_j
     Exits 0 adopted (or already recorded), 1 refused (the reason names the file), 2 usage,
     3 nothing there.
     """
-    from ..adapters.megatron_adopt import adopt, describe
+    from ..adapters.megatron.adopt import adopt, describe
 
     result = adopt(save_dir, iteration=iteration, lr_lookahead=lr_lookahead)
     if as_json:
