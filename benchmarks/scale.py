@@ -43,12 +43,12 @@ rank: P = tensors/4 model tensors of 1536 x 20480 bf16, TP-sharded and replicate
 3P optimizer tensors (fp32 param, exp_avg, exp_avg_sq), flat and sharded over TP x DP, as
 Megatron-Core's ``fully_sharded_model_space`` distributed optimizer gives them), passed to the
 real ``create_global_plan`` of the planner ``NativeTorchAdapter`` saves with
-(``dcp_plan_cache.CachingSavePlanner``: DCP's ``enable_plan_caching``) twice: the first call
+(``dcp.plan_cache.CachingSavePlanner``: DCP's ``enable_plan_caching``) twice: the first call
 has no cache (the same work as with caching off: dedup, global plan, validation), the second
 gets the unchanged ranks' empty plans, as cached local planners send them. Its metadata and
 synthetic write results go through the real ``FileSystemWriter.finish`` (our
-``dcp_io.make_writer``), which writes ``.metadata``; that file is read back with our
-``dcp_safe.restricted_load_metadata`` (bounded by the shard sizes) and with plain
+``dcp.filesystem.make_writer``), which writes ``.metadata``; that file is read back with our
+``dcp.unpickle.restricted_load_metadata`` (bounded by the shard sizes) and with plain
 ``pickle.loads``. Above ``--unpickle-cap-mb`` the restricted unpickle is not run: its time is
 extrapolated from the largest measured size at the same seconds per byte (``"extrapolated"``).
 The restore's reads of ``.metadata`` are counted at this synthetic file's size (the file on disk
@@ -88,9 +88,9 @@ from bench_common import quiet
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.dcp_io import make_writer
-from resume.adapters.dcp_plan_cache import CachingSavePlanner, forget
-from resume.adapters.dcp_safe import restricted_load_metadata
+from resume.adapters.dcp.filesystem import make_writer
+from resume.adapters.dcp.plan_cache import CachingSavePlanner, forget
+from resume.adapters.dcp.unpickle import restricted_load_metadata
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -677,7 +677,7 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     plans = local_plans(layout, tensors)
     build_s = time.perf_counter() - started
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
-    # The planner NativeTorchAdapter saves with (adapters/dcp_plan_cache.py): DCP's caching,
+    # The planner NativeTorchAdapter saves with (adapters/dcp/plan_cache.py): DCP's caching,
     # reused only for plans equal in every field.
     key = f"scale-{layout.ranks}"
     forget(key)

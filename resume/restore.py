@@ -93,7 +93,8 @@ class Restorer:
             problems = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
             if self.settings.verify_on_restore and not problems:
                 problems = self._rank_state_problems(manifest) or self.coll.on_rank0(
-                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step)))
+                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step),
+                                                                   m))
             if problems:
                 broken.append((manifest.step, "; ".join(problems)))
                 below = manifest.step
@@ -185,7 +186,7 @@ class Restorer:
         # Each rank keeps its own state file; only the outcome is agreed on (O(1) per rank).
         rank_state = self.coll.agree(lambda: self._read_rank_state(manifest, saved_world),
                                      f"restore of {step_dir}")
-        self.adapter.load_shards(self.run.storage, step_dir)
+        self.adapter.load_shards(self.run.storage, step_dir, manifest)
 
         def load_local() -> None:
             # Data before RNG: a restored loader must not draw from the restored generators.
