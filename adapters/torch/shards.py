@@ -170,7 +170,7 @@ def copy_tree(obj: Any, reuse: Any = None) -> Any:
 
     ``reuse``: an earlier copy of the same structure; a plain tensor of the same shape and dtype
     there is copied into rather than allocated anew. Memory the process has touched before
-    takes a copy several times faster than fresh pages that must be faulted in.
+    takes a copy faster than fresh pages that must be faulted in.
     """
     if isinstance(obj, torch.Tensor):
         if (type(obj) is torch.Tensor and type(reuse) is torch.Tensor and reuse.device.type == "cpu"
