@@ -42,9 +42,9 @@ from bench_common import quiet
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
-from resume.adapters.dcp_io import make_writer
-from resume.adapters.dcp_plan_cache import CachingSavePlanner, forget
-from resume.adapters.dcp_safe import restricted_load_metadata
+from resume.adapters.dcp.filesystem import make_writer
+from resume.adapters.dcp.plan_cache import CachingSavePlanner, forget
+from resume.adapters.dcp.unpickle import restricted_load_metadata
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -631,7 +631,7 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     plans = local_plans(layout, tensors)
     build_s = time.perf_counter() - started
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
-    # The planner NativeTorchAdapter saves with: DCP's caching,
+    # The planner NativeTorchAdapter saves with (adapters/dcp/plan_cache.py): DCP's caching,
     # reused only for plans equal in every field.
     key = f"scale-{layout.ranks}"
     forget(key)

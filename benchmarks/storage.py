@@ -11,8 +11,8 @@ parameter), in 64 tensors. Each run measures, in this order:
   keeps its faster time, so a host caching the virtual disk favours none of them;
 - ``torch.save``: one file, then fsync;
 - ``dcp``: torch.distributed.checkpoint's FileSystemWriter with ``sync_files=True``;
-- ``durable``: ours, as the native adapter saves (checksums while writing, early writeback,
-  fdatasync, directory fsync);
+- ``durable``: ours (adapters/dcp/filesystem.py: checksums while writing, early writeback, fdatasync,
+  directory fsync), as the native adapter saves;
 - ``durable_nosum``: the same without the checksums (for the checksum overhead);
 - ``durable_zstd``: ours with zstandard on every item (and the bytes it wrote);
 - ``stall``: what an asynchronous save blocks the loop for (the staging copy);
@@ -43,9 +43,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from bench_common import drop_pages, quiet, settle, timed
-from resume.adapters import dcp_io
-from resume.adapters.dcp_safe import SafeLoadPlanner
-from resume.adapters.torch_native import _copy_tree
+from resume.adapters.dcp import filesystem as dcp_io
+from resume.adapters.dcp.reader import SafeLoadPlanner
+from resume.adapters.torch.shards import copy_tree
 
 from resume.checksum import checksum_file
 from resume.storage import LocalStorage
@@ -139,7 +139,7 @@ def run_once(state: dict[str, torch.Tensor], size: int, root: str, *, index: int
     shutil.rmtree(zdir)
     settle(pause)
 
-    t["stall"] = timed(lambda: _copy_tree(state))
+    t["stall"] = timed(lambda: copy_tree(state))
     # What checksumming adds to a save: the xxh3 pass over the same bytes, inline in the writer.
     hasher = xxhash.xxh3_64()
     t["hash"] = timed(lambda: [hasher.update(memoryview(v.view(torch.uint8).reshape(-1).numpy()))

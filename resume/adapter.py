@@ -1,37 +1,34 @@
-"""The adapter contract: how one framework writes and reads its state.
+"""The adapter contract: how one framework writes and reads its state, as six small protocols.
 
-Call sequence (the coordinator makes every call; "all" = every rank, in the
-same order, because some calls are collective):
+``Adapter`` is all of them together; the coordinator makes every call. "all" = every rank, in
+the same order, because some calls are collective.
 
 On restore:
-  0. all  ``describe_structure()``, ``describe_schedule()`` before anything is loaded: the optimizers
-          and schedule as the code builds them (compared with the manifest: resume.changes);
+  0. all  ``describe_structure()``, ``describe_schedule()``: the code's optimizers and schedule,
+          compared with the manifest before anything is loaded (resume.changes);
           ``snapshot_settings()`` when changes were accepted
-  1. all  ``describe_schedule()``          before anything is loaded: the schedule as the code declares it
-  2. all  ``load_shards(step_dir, manifest)`` collective: sharded tensors (model, optimizers)
-  3. all  ``load_state_dict(state)``       this rank's small state (schedulers, step counters)
-  4. all  ``load_data_state(state)``       the data position
-  5. all  ``optimizer_steps()``, ``scheduler_positions()``, ``optimizer_fingerprint()``,
-          ``lr_ahead(k)``                  recomputed from the live objects and compared
-  6. all  ``data_iterator()``, ``describe_batch(batch)`` the next batch, peeked
-  After 4, with accepted changes: all ``apply_changes(items, snapshot)``.
-  After the first update: all ``applied_lrs()`` (the LR the step applied) and ``lr_groups()``.
+  1. rank 0 ``shard_problems(storage, step_dir, manifest)`` during the choice (verify_on_restore)
+  2. all  ``load_shards(storage, step_dir, manifest)`` collective: sharded tensors
+  3. all  ``load_state_dict(state)``, then ``load_data_state(state)``; with accepted changes
+          ``apply_changes(items, snapshot)``
+  4. all  ``optimizer_steps()``, ``scheduler_positions()``, ``optimizer_fingerprint()``,
+          ``lr_ahead(k)``: recomputed from the live objects and compared
+  5. all  ``data_iterator()``, ``describe_batch(batch)``: the next batch, peeked
+  After the first update: all ``applied_lrs()`` and ``lr_groups()``.
+  ``manifest`` is the ``resume.manifest.Manifest`` the restore verified: adapters read sizes
+  and topology from it, never ``manifest.json`` again.
 
 On save (at an iteration boundary, all ranks agreed):
-  1. all  ``data_state()``                 before the look-ahead batch is fetched
-  2. all  ``describe_batch(batch)``        of the look-ahead batch
-  3. all  ``lr_ahead(k)``, ``lr_groups()``, ``optimizer_fingerprint()``, ``describe_schedule()``,
+  1. all  ``data_state()`` before the look-ahead batch is fetched, ``describe_batch(batch)`` of it
+  2. all  ``lr_ahead(k)``, ``lr_groups()``, ``optimizer_fingerprint()``, ``describe_schedule()``,
           ``describe_structure()``
-  4. all  ``state_dict()``                 this rank's small state, written as JSON by the coordinator
-  5. all  ``save_shards(step_dir)``        collective; returns the files this rank wrote
-  Rank 0 then gathers the file lists and commits the manifest.
-  Asynchronous save instead of 5: all ``stage_shards()`` (a memory copy, the loop
-  waits for it), then in a background thread all ``write_staged(staged, ...)``
-  over a forked Comm; the commit follows when every rank's write finished.
+  3. all  ``state_dict()``: this rank's small state, written as JSON by the coordinator
+  4. all  ``save_shards(storage, step_dir)`` collective; rank 0 then commits the manifest.
+  Asynchronous instead of 4: all ``stage_shards()`` (the loop waits), then in a background
+  thread all ``write_staged(staged, ...)`` over a forked Comm; the commit follows.
 
-Every iteration:
-  all ``optimizer_steps()`` and ``scheduler_positions()`` (cheap), to catch an
-  update that stepped the optimizer or scheduler on a skipped iteration.
+Every iteration: all ``optimizer_steps()`` and ``scheduler_positions()`` (cheap), to catch an
+update that stepped the optimizer or scheduler on a skipped iteration.
 
 Values returned for the manifest must be JSON-serialisable.
 """
@@ -43,16 +40,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from .comm import Comm
+from .manifest import Manifest
 from .storage import Storage
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "DataPosition", "OptimizerView", "RankState", "SettingsView", "ShardIO",
+           "StagedShardIO"]
 
 
-class Adapter(ABC):
-    name: str = "adapter"
-    comm: Comm
+class DataPosition(ABC):
+    """This rank's data: its batches and its position in them."""
 
-    # -- data ------------------------------------------------------------------
     def has_data(self) -> bool:
         """False when the adapter was given no data: the next batch is then not recorded."""
         return True
@@ -74,7 +71,10 @@ class Adapter(ABC):
         carries no sample ids gives ``-1 - row`` for each row: the next batch is then recorded
         and checked by its content alone (``continuity.merge_batch_descriptions``)."""
 
-    # -- schedule and optimizer ---------------------------------------------------
+
+class OptimizerView(ABC):
+    """LRs, counters and moments, read from the live optimizers and schedulers."""
+
     @abstractmethod
     def describe_schedule(self) -> list[dict]:
         """Static configuration of every scheduler (no position)."""
@@ -85,6 +85,19 @@ class Adapter(ABC):
 
     @abstractmethod
     def current_lrs(self) -> list[float]: ...
+
+    def lr_groups(self) -> list[str]:
+        """A label per param group, in the order of ``current_lrs()``."""
+        return [f"group[{i}]" for i in range(len(self.current_lrs()))]
+
+    def applied_lrs(self) -> list[float | None] | None:
+        """Per param group: the LR the last optimizer step applied (None: unknown)."""
+        return None
+
+    @property
+    def lr_set_by_loop(self) -> bool:
+        """True when the loop sets the LR just before each step (a hand-set schedule)."""
+        return False
 
     @abstractmethod
     def optimizer_steps(self) -> list[int]:
@@ -101,32 +114,16 @@ class Adapter(ABC):
         the bit patterns mod 2**32 per state key (``sharded``: each element counted on one rank,
         so the total over ranks is the same for any sharding)."""
 
-    # -- structure, settings and changes (optional; the defaults record nothing) ------------
+
+class SettingsView(ABC):
+    """Structure and settings, compared before a load; accepted changes put back after it.
+    Optional: the defaults record nothing."""
+
     def describe_structure(self) -> list[dict]:
         """Per optimizer: ``{"class", "groups": [{"name", "params", "names", "settings"}]}``
-        (resume.changes): compared before a load, so that another structure or a changed
-        setting is named instead of failing inside the load."""
+        (resume.changes): another structure or a changed setting is named instead of failing
+        inside the load."""
         return []
-
-    def lr_groups(self) -> list[str]:
-        """A label per param group, in the order of ``current_lrs()``."""
-        return [f"group[{i}]" for i in range(len(self.current_lrs()))]
-
-    def applied_lrs(self) -> list[float | None] | None:
-        """Per param group: the LR the last optimizer step applied (None: unknown)."""
-        return None
-
-    @property
-    def job_id(self) -> str | None:
-        """The job's identity, kept across requeues and restarts, from the cluster layer
-        (``resume.adapters.environment``); the lease names its holder with it. None: the
-        lease uses ``RESUME_JOB_ID``, else ``host:pid``."""
-        return None
-
-    @property
-    def lr_set_by_loop(self) -> bool:
-        """True when the loop sets the LR just before each step (a hand-set schedule)."""
-        return False
 
     def snapshot_settings(self) -> object:
         """The code's settings, before a load overwrites them (for ``apply_changes``)."""
@@ -137,7 +134,12 @@ class Adapter(ABC):
         if items:
             raise NotImplementedError(f"{type(self).__name__} cannot apply changed settings {items}")
 
-    # -- persistence ---------------------------------------------------------------
+
+class RankState(ABC):
+    """This rank's small state and the facts the manifest records about the run."""
+
+    comm: Comm
+
     @abstractmethod
     def state_dict(self) -> dict:
         """This rank's small non-tensor state (JSON)."""
@@ -145,43 +147,31 @@ class Adapter(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
 
+    def topology(self) -> dict:
+        return {"world_size": self.comm.world_size}
+
+    @property
+    def job_id(self) -> str | None:
+        """The job's identity, kept across requeues and restarts, from the cluster layer
+        (``resume.adapters.environment``); the lease names its holder with it. None: the
+        lease uses ``RESUME_JOB_ID``, else ``host:pid``."""
+        return None
+
+
+class ShardIO(ABC):
+    """The sharded state (model, optimizers), written and read collectively."""
+
     @abstractmethod
     def save_shards(self, storage: Storage, step_dir: str) -> list[str] | dict[str, tuple[int, str] | None]:
         """Collective. Write the sharded state; return the paths (relative to step_dir) this rank
         wrote, or a mapping path -> (size, checksum) for those checksummed while written (None:
         read it back)."""
 
-    def can_stage(self) -> bool:
-        """Whether ``stage_shards``/``write_staged`` are implemented (asynchronous save)."""
-        return False
-
-    def stage_shards(self) -> Any:
-        """A private copy of the sharded state (a memory copy); the loop may change the live one."""
-        raise NotImplementedError
-
-    def can_fingerprint_staged(self) -> bool:
-        """Whether ``fingerprint_staged`` is implemented: an asynchronous save then takes the
-        moments' fingerprint from the staged copy in the background, not in the loop's stall."""
-        return False
-
-    def fingerprint_staged(self, staged: Any) -> list[dict]:
-        """``optimizer_fingerprint()`` of the state as ``stage_shards`` copied it (same values)."""
-        raise NotImplementedError
-
-    def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Comm) -> Any:
-        """Collective over ``comm`` (a background thread): write ``staged``; like ``save_shards``."""
-        raise NotImplementedError
-
-    @abstractmethod
-    def load_shards(self, storage: Storage, step_dir: str) -> None:
-        """Collective. Load the sharded state written by ``save_shards``."""
-
-    def shard_problems(self, storage: Storage, step_dir: str) -> list[str]:
-        """Rank 0 only, during the restore's choice (``verify_on_restore``), before
-        ``load_shards``: what makes the step's shards unloadable that checksums cannot see (a
-        framework's metadata file of the wrong shape or bounds). Each problem passes the
-        checkpoint over, like a bad checksum; a file that tries to run code
-        (UnsafeCheckpointError) and storage errors raise instead. Default: none."""
+    def shard_problems(self, storage: Storage, step_dir: str, manifest: Manifest) -> list[str]:
+        """Rank 0 only, during the restore's choice, before ``load_shards``: what makes the
+        step's shards unloadable that checksums cannot see (a framework's metadata file of the
+        wrong shape or bounds for ``manifest``). Each problem passes the checkpoint over; a file
+        that tries to run code (UnsafeCheckpointError) and storage errors raise. Default: none."""
         return []
 
     def prepare_load(self) -> object:
@@ -193,5 +183,38 @@ class Adapter(ABC):
     def discard_prepared(self, token: object) -> None:
         """Undo ``prepare_load()`` (a fresh start, or a restore that failed)."""
 
-    def topology(self) -> dict:
-        return {"world_size": self.comm.world_size}
+    @abstractmethod
+    def load_shards(self, storage: Storage, step_dir: str, manifest: Manifest) -> None:
+        """Collective. Load the sharded state ``save_shards`` wrote, as ``manifest`` describes it."""
+
+
+class StagedShardIO(ABC):
+    """Asynchronous save (optional): a memory copy in the loop, the write in the background."""
+
+    def can_stage(self) -> bool:
+        """Whether ``stage_shards``/``write_staged`` are implemented."""
+        return False
+
+    def stage_shards(self) -> Any:
+        """A private copy of the sharded state (a memory copy); the loop may change the live one."""
+        raise NotImplementedError
+
+    def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Comm) -> Any:
+        """Collective over ``comm`` (a background thread): write ``staged``; like ``save_shards``."""
+        raise NotImplementedError
+
+    def can_fingerprint_staged(self) -> bool:
+        """Whether ``fingerprint_staged`` is implemented: the moments' fingerprint is then taken
+        from the staged copy in the background, not in the loop's stall."""
+        return False
+
+    def fingerprint_staged(self, staged: Any) -> list[dict]:
+        """``optimizer_fingerprint()`` of the state as ``stage_shards`` copied it (same values)."""
+        raise NotImplementedError
+
+
+class Adapter(DataPosition, OptimizerView, SettingsView, RankState, ShardIO, StagedShardIO):
+    """Every protocol above: what the coordinator needs of one framework."""
+
+    name: str = "adapter"
+    comm: Comm

@@ -1,7 +1,7 @@
 """The collectives the coordinator needs, behind a small protocol.
 
 The core never imports a framework: adapters hand it a ``Comm`` built on their
-process group (``resume.adapters.torch_native.TorchDistComm``), single-process
+process group (``resume.adapters.torch.comm.TorchDistComm``), single-process
 runs use ``LocalComm``.
 """
 

@@ -33,17 +33,17 @@ from .collective import Collective
 from .commit import StepCommit, rank_state_name
 from .config import CoordinatorConfig, as_json
 from .continuity import Expectation, matched
-from .control import ControlArea, SaveRequest, SignalFlag, poll_everywhere
+from .control import ControlArea
 from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
 from .lease import Lease
 from .lookahead import END, NextIteration
 from .manifest import Manifest
-from .policy import DecisionContext
 from .restore import Restored, Restorer, check_counters, check_first_update, check_lrs
 from .rng import RngRegistry
 from .run import Run
 from .state import TrainState
 from .storage import open_storage
+from .trigger import SaveTrigger
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
@@ -81,11 +81,8 @@ class Coordinator:
         self.restored_from: int | None = None
         self.async_save = self.settings.async_save and adapter.can_stage()
 
-        self._decide = self.settings.save_policy()
         self._tolerance = self.settings.failure_tolerance()
         self._next = NextIteration(adapter, self.rng, lr_lookahead=self.settings.lr_lookahead)
-        self._save_requested = self._stop_requested = False
-        self._signals = SignalFlag()
         self._first_after_restore: Expectation | None = None
         self._peeked: tuple[Manifest | None] | None = None
         self._in_flight: BackgroundSave | None = None
@@ -99,15 +96,15 @@ class Coordinator:
         # (5,120 ranks must not hammer an object store).
         self.run = Run(open_storage(run_url))
         self.coll.on_rank0(self.run.ensure_exists)
-        self._control = ControlArea(self.run, poll_s=self.settings.control_poll_s, clock=self.clock)
         self._restorer = Restorer(self.run, self.adapter, self.coll, settings=self.settings, rng=self.rng,
                                   accept=self.accept)
         # One writer per run: rank 0 holds the lease (a second job is refused here, on every rank).
         self._lease: Lease | None = None
         if self.settings.lease_ttl_s is not None:
             self.coll.on_rank0(self._take_lease)
-        if self.settings.handle_signals:
-            self._signals.install()
+        self._trigger = SaveTrigger(
+            self.comm, ControlArea(self.run, poll_s=self.settings.control_poll_s, clock=self.clock),
+            self.settings.save_policy(), handle_signals=self.settings.handle_signals)
 
     # -- public surface ---------------------------------------------------------------
 
@@ -126,8 +123,7 @@ class Coordinator:
 
     def request_save(self, *, stop: bool = False) -> None:
         """Save at the next iteration boundary (and stop afterwards when ``stop``)."""
-        self._save_requested = True
-        self._stop_requested = self._stop_requested or stop
+        self._trigger.request(stop=stop)
 
     def peek(self) -> Manifest | None:
         """Collective: the checkpoint ``restore()`` will load (found and verified now, not
@@ -236,7 +232,7 @@ class Coordinator:
         try:
             self.maybe_wait_for_save()
         finally:
-            self._signals.uninstall()
+            self._trigger.close()
             if self._lease is not None:
                 lease, self._lease = self._lease, None
                 try:
@@ -247,43 +243,30 @@ class Coordinator:
     # -- the iteration boundary -----------------------------------------------------------
 
     def _maybe_save_at_boundary(self) -> bool:
-        # One small all-reduce per iteration: every rank learns every flag, so all ranks save
-        # the same iteration.
-        requests, (wants_save, wants_stop) = poll_everywhere(self._control, self.comm, [
-            self._save_requested, self._stop_requested or self._signals.signum is not None])
-        decision = self._decide(DecisionContext(self.state.iteration, requested=bool(wants_save),
-                                                stop=bool(wants_stop), requests=tuple(requests)))
-        self._save_requested = False
+        decision, requests = self._trigger.decide(self.state.iteration)
         if not decision.save:
             return False
         # Only a scheduled save runs in the background (an asker waits for the commit), and a
         # background save that failed counts under the policy before the next one starts.
         background = decision.scheduled_only
         if background:
-            self._tolerate(self.maybe_wait_for_save)
+            try:
+                self.maybe_wait_for_save()
+            except (ResumeError, OSError) as e:
+                if not self._tolerance.tolerate(e, self.state.iteration):
+                    raise
         try:
             step = self.save(blocking=not background)
         except (ResumeError, OSError) as e:
-            self._answer(requests, step=None, error=str(e))
+            self._trigger.answer(requests, step=None, error=str(e))
             if background and self._tolerance.tolerate(e, self.state.iteration):
                 return False
             raise
         if self._in_flight is None:  # committed (a background save counts when it commits)
             self._tolerance.succeeded()
-        self._answer(requests, step=step)
+        self._trigger.answer(requests, step=step)
         self.should_stop = self.should_stop or decision.stop
         return True
-
-    def _tolerate(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except (ResumeError, OSError) as e:
-            if not self._tolerance.tolerate(e, self.state.iteration):
-                raise
-
-    def _answer(self, requests: list[SaveRequest], *, step: int | None, error: str | None = None) -> None:
-        if self.rank == 0:
-            self._control.answer(requests, step=step, error=error)
 
     # -- save -------------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ class Restorer:
             found = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
             if self.settings.verify_on_restore and not found:
                 found = self._rank_state_problems(manifest) or self.coll.on_rank0(
-                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step)))
+                    lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step), m))
             return found
         choice = choose_verified(self.run, self.coll, problems)
         broken = [(step, why) for step, why, had in choice.passed_over if had]  # damaged checkpoints
@@ -177,7 +177,7 @@ class Restorer:
         # Each rank keeps its own state file; only the outcome is agreed on (O(1) per rank).
         rank_state = self.coll.agree(lambda: self._read_rank_state(manifest, saved_world),
                                      f"restore of {step_dir}")
-        self.adapter.load_shards(self.run.storage, step_dir)
+        self.adapter.load_shards(self.run.storage, step_dir, manifest)
 
         def load_local() -> None:
             # Data before RNG: a restored loader must not draw from the restored generators.

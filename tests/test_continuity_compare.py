@@ -182,15 +182,15 @@ def test_resize_still_catches_moments_that_were_not_loaded():
 
 def test_moment_sums_wrap_and_do_not_depend_on_sharding():
     import torch
-    from resume.adapters.torch_native import _bits_view
+    from resume.adapters.torch.fingerprint import bits_view
 
     values = torch.randn(1000)
-    whole, acc = _bits_view(values)
+    whole, acc = bits_view(values)
     total = int(whole.sum(dtype=acc)) & 0xFFFFFFFF
     for cut in (1, 333, 999):
-        parts = [int(_bits_view(p)[0].sum(dtype=acc)) & 0xFFFFFFFF for p in (values[:cut], values[cut:])]
+        parts = [int(bits_view(p)[0].sum(dtype=acc)) & 0xFFFFFFFF for p in (values[:cut], values[cut:])]
         assert (parts[0] + parts[1]) & 0xFFFFFFFF == total
-    assert int(_bits_view(torch.zeros(10))[0].sum(dtype=acc)) == 0
+    assert int(bits_view(torch.zeros(10))[0].sum(dtype=acc)) == 0
 
 
 def test_end_of_data_at_save_does_not_constrain_the_next_pass():

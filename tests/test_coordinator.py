@@ -299,7 +299,7 @@ def test_a_disk_that_fills_mid_save_keeps_the_previous_checkpoint_and_says_how_m
     import errno
 
     import torch
-    from resume.adapters import dcp_io
+    from resume.adapters.dcp import filesystem as dcp_io
     from resume.adapters.torch_native import NativeTorchAdapter
 
     from resume.errors import SaveFailedError

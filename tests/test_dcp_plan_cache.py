@@ -1,4 +1,4 @@
-"""DCP save-plan caching (adapters/dcp_plan_cache.py) on real DCP: used when every plan is
+"""DCP save-plan caching (adapters/dcp/plan_cache.py) on real DCP: used when every plan is
 unchanged, never when anything ``.metadata`` records has changed, private to each adapter.
 
 What a rank sends rank 0 (its local plan, empty when cached) and what rank 0 receives and sends
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from resume.adapters import dcp_plan_cache
-from resume.adapters.dcp_plan_cache import CachingSavePlanner, PlanCacheMismatchError, SavePlanCache
+from resume.adapters.dcp import plan_cache as dcp_plan_cache
+from resume.adapters.dcp.plan_cache import CachingSavePlanner, PlanCacheMismatchError, SavePlanCache
 from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.worker import tensor_digest
 from support.ranks import run_ranks

@@ -27,7 +27,7 @@ import zipfile
 
 import pytest
 import torch
-from resume.adapters import dcp_safe
+from resume.adapters.dcp import unpickle as dcp_unpickle
 from support.checkpoints import edit_manifest, replace_listed_file
 from support.hostile import assert_problem, restore_in_subprocess, resume_cli
 
@@ -47,7 +47,7 @@ def step4(run: str, *parts: str) -> str:
 
 def real_metadata(run: str):
     with open(step4(run, ".metadata"), "rb") as f:
-        return dcp_safe.restricted_load_metadata(f.read(), source=".metadata")
+        return dcp_unpickle.restricted_load_metadata(f.read(), source=".metadata")
 
 
 def plant_metadata(run: str, data: bytes) -> None:
@@ -143,7 +143,7 @@ ALLOWED_MODULES = [sys.modules[m] for m in ("torch.distributed.checkpoint.metada
 
 def process_state() -> dict:
     """Every allowed class's and module's attributes (names and the objects they hold)."""
-    classes = {f"{c.__module__}.{c.__qualname__}": c for c in dcp_safe._ALLOWED.values() if isinstance(c, type)}
+    classes = {f"{c.__module__}.{c.__qualname__}": c for c in dcp_unpickle._ALLOWED.values() if isinstance(c, type)}
     out = {name: dict(vars(c)) for name, c in classes.items()}
     out.update({m.__name__: dict(vars(m)) for m in ALLOWED_MODULES})
     return out
@@ -162,7 +162,7 @@ def test_build_on_a_class_before_a_forbidden_global_is_refused_and_changes_nothi
     data = (b"\x80\x02" + build_on_class("torch.distributed.checkpoint.filesystem", "_StorageInfo",
                                           "relative_path") + b"cos\nsystem\n.")
     with pytest.raises((UnsafeCheckpointError, CorruptCheckpointError), match="BUILD on the class"):
-        dcp_safe.restricted_load_metadata(data, source=".metadata")
+        dcp_unpickle.restricted_load_metadata(data, source=".metadata")
     assert process_state() == before
 
 
@@ -176,10 +176,10 @@ def test_build_on_a_class_in_front_of_a_real_metadata_is_refused_and_changes_not
                          ("torch.distributed.checkpoint.metadata", "Metadata")):
         data = b"\x80\x04" + build_on_class(module, name, "relative_path" if "Storage" in name else "version") + body
         with pytest.raises(CorruptCheckpointError, match=f"BUILD on the class {module}.{name}"):
-            dcp_safe.restricted_load_metadata(data, source=".metadata")
+            dcp_unpickle.restricted_load_metadata(data, source=".metadata")
     assert process_state() == before
     # The genuine metadata still loads, and a save after the refusal still works.
-    dcp_safe.restricted_load_metadata(genuine, source=".metadata")
+    dcp_unpickle.restricted_load_metadata(genuine, source=".metadata")
     plant_metadata(run_copy, b"\x80\x04" + build_on_class("torch.distributed.checkpoint.filesystem",
                                                          "_StorageInfo", "relative_path") + body)
     expect_refused_metadata(run_copy, "BUILD on the class torch.distributed.checkpoint.filesystem._StorageInfo")
@@ -188,10 +188,10 @@ def test_build_on_a_class_in_front_of_a_real_metadata_is_refused_and_changes_not
 def test_build_on_anything_but_an_instance_of_the_data_classes_is_refused():
     data = b"\x80\x02cpathlib\nPosixPath\n)R}b."  # a PosixPath instance: allowed, but not a data class
     with pytest.raises(CorruptCheckpointError, match="BUILD on a PosixPath"):
-        dcp_safe.restricted_load_metadata(data, source=".metadata")
+        dcp_unpickle.restricted_load_metadata(data, source=".metadata")
     data = b"\x80\x02ctorch.distributed.checkpoint.filesystem\n_StorageInfo\n)\x81}X\x08\x00\x00\x00__dict__Nsb."
     with pytest.raises(CorruptCheckpointError, match="BUILD on _StorageInfo: expected a dict of field names"):
-        dcp_safe.restricted_load_metadata(data, source=".metadata")
+        dcp_unpickle.restricted_load_metadata(data, source=".metadata")
 
 
 # -- rank state -------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def plant_item(run: str, fqn: str, item: bytes, transforms: list[str] | None = N
 
 
 def test_zstd_on_a_run_saved_without_compression_is_refused(run_copy):
-    plant_item(run_copy, TENSOR_ITEM, zstd_bomb(64 << 20), [dcp_safe.ZSTD])
+    plant_item(run_copy, TENSOR_ITEM, zstd_bomb(64 << 20), [dcp_unpickle.ZSTD])
     expect_refused_metadata(run_copy, "transform_descriptors: expected none (the run's manifest records no "
                             "compression), actual ['stream.zstd/1']")
 
@@ -263,7 +263,7 @@ def test_zstd_on_a_run_saved_without_compression_is_refused(run_copy):
 def test_a_zstd_bomb_stops_at_the_tensors_size_under_a_memory_limit(run_copy):
     bomb = zstd_bomb(4 << 30)  # 4 GiB of zeros: past the subprocess's address space with torch in it
     assert len(bomb) < 512 << 10
-    plant_item(run_copy, TENSOR_ITEM, bomb, [dcp_safe.ZSTD])
+    plant_item(run_copy, TENSOR_ITEM, bomb, [dcp_unpickle.ZSTD])
     edit_manifest(step4(run_copy), lambda body: body["topology"].__setitem__("compression", "zstd"))
     outcome = restore_in_subprocess(run_copy)
     assert outcome.get("error") == "CorruptCheckpointError", outcome

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from resume.adapters import dcp_safe
+from resume.adapters.dcp import reader as dcp_reader
 from support.checkpoints import CodeRunningPickle
 from support.workloads import Setup, build, trained
 from torch.distributed.checkpoint import FileSystemReader
@@ -134,7 +134,7 @@ def test_the_direct_reader_declines_the_record_without_running_it(tmp_path):
     offset, record = plant(step_dir, TENSOR_ITEM, f"touch {marker}")
     target = torch.full((48, 16), 7.0)
     with (step_dir / SHARD).open("rb") as f:
-        assert dcp_safe.read_stored_tensor_into(f, offset, len(record), target) is False
+        assert dcp_reader.read_stored_tensor_into(f, offset, len(record), target) is False
     assert torch.equal(target, torch.full((48, 16), 7.0))  # nothing written
     assert not marker.exists()
 
@@ -148,9 +148,9 @@ class _Spy:
         self.globals: list[tuple[str, str]] = []
         self.loads: list[tuple[object, str | None]] = []
         spy = self
-        real_direct, real_load = dcp_safe.read_stored_tensor_into, torch.load
+        real_direct, real_load = dcp_reader.read_stored_tensor_into, torch.load
 
-        class RecordUnpickler(dcp_safe._RecordUnpickler):
+        class RecordUnpickler(dcp_reader._RecordUnpickler):
             def find_class(self, module: str, name: str):
                 spy.globals.append((module, name))
                 return super().find_class(module, name)
@@ -169,8 +169,8 @@ class _Spy:
             spy.loads.append((kwargs.get("weights_only"), None))
             return out
 
-        monkeypatch.setattr(dcp_safe, "_RecordUnpickler", RecordUnpickler)
-        monkeypatch.setattr(dcp_safe, "read_stored_tensor_into", direct)
+        monkeypatch.setattr(dcp_reader, "_RecordUnpickler", RecordUnpickler)
+        monkeypatch.setattr(dcp_reader, "read_stored_tensor_into", direct)
         monkeypatch.setattr(torch, "load", load)
 
 
@@ -183,7 +183,7 @@ def test_code_running_record_in_a_shard_is_refused_and_never_run(tmp_path, monke
     run, step_dir = trained_run(tmp_path)
     marker = tmp_path / "pwned"
     plant(step_dir, fqn, f"touch {marker}")
-    monkeypatch.setattr(dcp_safe.SafeFileSystemReader, "threads", threads)
+    monkeypatch.setattr(dcp_reader.SafeFileSystemReader, "threads", threads)
     spy = _Spy(monkeypatch)
 
     coord, _ = build(0, 1, run, Setup(every=2))

@@ -123,8 +123,7 @@ def _save_on_request_and_on_signal(rank: int, world: int, save_dir: str) -> dict
     import os
     import signal
 
-    from resume.adapters.megatron import install
-    from resume.adapters.megatron import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT, install
     from support import megatron_training_run as m
 
     from resume.control import post_save_request

@@ -6,7 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from resume.adapters import dcp_safe, torch_native
+from resume.adapters.dcp import reader as dcp_reader
+from resume.adapters.torch import metadata as torch_metadata
 from support.workloads import Setup, build, train, trained
 
 import resume.manifest
@@ -48,7 +49,7 @@ def test_a_restore_parses_the_manifest_and_unpickles_the_dcp_metadata_once(run_d
     trained(run_dir, until=4, every=2)
     counts = {"from_json": 0, "metadata": 0, "metadata_reads": 0}
     from_json = resume.manifest.Manifest.from_json.__func__
-    unpickle = dcp_safe.restricted_load_metadata
+    unpickle = torch_metadata.restricted_load_metadata
 
     def counting_from_json(cls, *a, **kw):
         counts["from_json"] += 1
@@ -58,8 +59,8 @@ def test_a_restore_parses_the_manifest_and_unpickles_the_dcp_metadata_once(run_d
         counts["metadata"] += 1
         return unpickle(*a, **kw)
     monkeypatch.setattr(resume.manifest.Manifest, "from_json", classmethod(counting_from_json))
-    monkeypatch.setattr(dcp_safe, "restricted_load_metadata", counting_unpickle)
-    monkeypatch.setattr(torch_native, "restricted_load_metadata", counting_unpickle)
+    monkeypatch.setattr(dcp_reader, "restricted_load_metadata", counting_unpickle)
+    monkeypatch.setattr(torch_metadata, "restricted_load_metadata", counting_unpickle)
     restored, _ = build(0, 1, run_dir, Setup(every=2))
     read_bytes = restored.run.storage.read_bytes
 

@@ -333,8 +333,9 @@ def test_loads_read_stored_tensors_into_their_targets_exactly(tmp_path):
     dtypes, a transposed view, a view with a storage offset, a 0-dim tensor."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from resume.adapters import dcp_io, dcp_safe
-    from resume.adapters.dcp_safe import SafeLoadPlanner
+    from resume.adapters.dcp import filesystem as dcp_io
+    from resume.adapters.dcp import reader as dcp_reader
+    from resume.adapters.dcp.reader import SafeLoadPlanner
 
     from resume.storage import LocalStorage
 
@@ -353,19 +354,19 @@ def test_loads_read_stored_tensors_into_their_targets_exactly(tmp_path):
     with dcp_io.without_torch_crc32():
         dcp.save(state, storage_writer=writer, no_dist=True)
     direct = []
-    original = dcp_safe.read_stored_tensor_into
+    original = dcp_reader.read_stored_tensor_into
 
     def counting(*args):
         hit = original(*args)
         direct.append(hit)
         return hit
-    dcp_safe.read_stored_tensor_into = counting
+    dcp_reader.read_stored_tensor_into = counting
     try:
         target = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
         dcp.load(target, storage_reader=dcp_io.make_reader(storage, "step"), planner=SafeLoadPlanner(),
                  no_dist=True)
     finally:
-        dcp_safe.read_stored_tensor_into = original
+        dcp_reader.read_stored_tensor_into = original
     for k, v in state.items():
         assert torch.equal(target[k], v), k
     assert any(direct) and not all(direct)  # plain tensors read directly, the views by torch.load

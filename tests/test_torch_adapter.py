@@ -165,7 +165,7 @@ def test_dcp_metadata_pointing_outside_the_step_directory_is_refused(tmp_path):
     first[0].restore()
     run_until(*first, until=2)
     path = os.path.join(run, "step-000000002", ".metadata")
-    from resume.adapters.dcp_safe import restricted_load_metadata
+    from resume.adapters.dcp.unpickle import restricted_load_metadata
 
     with open(path, "rb") as f:
         metadata = restricted_load_metadata(f.read(), source=path)

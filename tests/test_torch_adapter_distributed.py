@@ -240,7 +240,7 @@ def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
 
 
 def restore_counting_metadata_parses(rank: int, world: int, tmp: str) -> dict:
-    import resume.adapters.torch_native as native
+    import resume.adapters.torch.metadata as native
 
     parsed = []
     restricted = native.restricted_load_metadata

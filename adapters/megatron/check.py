@@ -7,7 +7,7 @@ file named must exist and hold its records, nothing may follow the last record, 
 
 Not caught (``UNCAUGHT``, also in the README): a record replaced whole by another valid
 archive, and a change to ``.metadata``, ``metadata.json`` or the common state that still
-reads. Nothing here unpickles a record (``.metadata``: ``dcp_safe``'s allow-list; the
+reads. Nothing here unpickles a record (``.metadata``: ``resume.adapters.dcp.unpickle``'s allow-list; the
 common state: ``common``'s inert reader).
 """
 
@@ -170,7 +170,7 @@ def _metadata_json_problems(storage: Storage, d: str, check: SaveCheck) -> list[
 def _read_metadata(storage: Storage, d: str, names: list[str], check: SaveCheck) -> Any:
     """DCP's ``.metadata`` through the allow-list unpickler (shape checked, bounds not: they
     are checked per file here, to name the file); None after adding the problem."""
-    from ..dcp_safe import METADATA_CAP, restricted_load_metadata
+    from ..dcp.unpickle import METADATA_CAP, restricted_load_metadata
 
     path = join(d, ".metadata")
     source = storage.url(path)
@@ -219,14 +219,14 @@ def _record_problem(storage: Storage, path: str, records: list[tuple[int, int, s
                     progress: Callable[[int], None] | None) -> str | None:
     """Every record of a data file read: a stored torch.save archive inside the record whose
     members' CRC-32 match. The first bad record is named, with how many are bad."""
-    from ..dcp_safe import _Window, check_archive
+    from ..dcp.reader import Window, check_archive
 
     source = storage.url(path)
     bad: list[str] = []
     with storage.open_read(path) as f:
         for offset, length, fqn in records:
             where = f"{source}: record {short(fqn)} at offset {offset}, length {length}"
-            window = io.BufferedReader(_Window(f, offset, length), buffer_size=1 << 20)
+            window = io.BufferedReader(Window(f, offset, length), buffer_size=1 << 20)
             try:
                 check_archive(window, length, where)
                 with zipfile.ZipFile(window) as z:

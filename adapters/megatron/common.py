@@ -2,7 +2,7 @@
 
 The common state (iteration, the argparse ``args``, the scheduler's state, the
 checkpoint version) is the object entry ``common_state`` of a ``.distcp`` file,
-stored as ``torch.save([dict])``. ``.metadata`` is read through ``dcp_safe``'s
+stored as ``torch.save([dict])``. ``.metadata`` is read through ``resume.adapters.dcp.unpickle``'s
 allow-list unpickler and the entry through ``_CommonUnpickler``, which admits plain
 containers and numbers and turns every other global into an inert ``Opaque``:
 nothing from the checkpoint is ever called.
@@ -218,7 +218,7 @@ def common_state_from_dict(common: Any, *, source: str) -> CommonState:
 
 def read_common_state(storage: Storage, iteration: int) -> CommonState:
     """The common state of ``iter_<iteration>/``: restricted .metadata, then the object entry."""
-    from ..dcp_safe import read_step_metadata
+    from ..dcp.unpickle import read_step_metadata
 
     d = iteration_dirname(iteration)
     meta_path = join(d, ".metadata")

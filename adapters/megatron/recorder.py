@@ -318,7 +318,7 @@ def _default_comm() -> Comm:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from ..torch_native import TorchDistComm
+        from ..torch.comm import TorchDistComm
 
         return TorchDistComm()
     return LocalComm()

@@ -30,7 +30,7 @@ def vet_byte_entries(storage: Any, step_dir: str) -> None:
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from ..dcp_safe import read_step_metadata
+    from ..dcp.unpickle import read_step_metadata
 
     metadata = read_step_metadata(storage, step_dir)
     for index, info in metadata.storage_data.items():

@@ -69,7 +69,7 @@ def dcp_metadata_problems(run: Run, result: CheckResult) -> list[str]:
     if result.manifest is None or ".metadata" not in result.manifest.files:
         return []
     try:
-        from ..adapters.dcp_safe import restricted_load_metadata
+        from ..adapters.dcp.unpickle import restricted_load_metadata
     except ImportError:
         return []
     path = run.step_path(result.step, ".metadata")

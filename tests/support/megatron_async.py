@@ -165,8 +165,7 @@ def restart_and_save(rank: int, world: int, save_dir: str) -> dict:
 def request_answered_after_commit(rank: int, world: int, save_dir: str) -> dict:
     """A `resume save` request under --async-save, handled by the installed
     checkpoint_and_decide_exit: what is on disk when it returns (the answer written)."""
-    from resume.adapters.megatron import install
-    from resume.adapters.megatron import MEGATRON_LAYOUT
+    from resume.adapters.megatron import MEGATRON_LAYOUT, install
 
     from resume.control import post_save_request
     from resume.run import Run

@@ -7,7 +7,7 @@ import os
 import struct
 import zipfile
 
-from resume.adapters.dcp_safe import read_step_metadata
+from resume.adapters.dcp.unpickle import read_step_metadata
 
 from resume.storage import open_storage
 

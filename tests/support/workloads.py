@@ -56,10 +56,10 @@ class StatelessLoader:
 class ForgetfulAdapter(NativeTorchAdapter):
     """Loads the model but not the optimizer state (the classic bug)."""
 
-    def load_shards(self, storage, step_dir):
+    def load_shards(self, storage, step_dir, manifest=None):
         # Copies: a state the restore has already created (zero moments) is loaded into in place.
         saved = [copy.deepcopy(opt.state_dict()) for opt in self.optimizers]
-        super().load_shards(storage, step_dir)
+        super().load_shards(storage, step_dir, manifest)
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)  # back to the fresh (empty) moments
 

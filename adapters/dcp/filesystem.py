@@ -3,7 +3,7 @@
 torch.distributed.checkpoint's ``FileSystemWriter`` writes each rank's file
 through ``FileSystem.create_stream``. Ours:
 
-- hashes every byte on its way out (xxh3-64, several GB/s), so the manifest's
+- hashes every byte on its way out (xxh3-64), so the manifest's
   checksums cost no second read;
 - on local/parallel file systems, starts the kernel's writeback every 32 MiB
   (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk works while the
@@ -311,8 +311,8 @@ def make_writer(storage: Any, step_dir: str, *, durable: bool = True, thread_cou
 
 
 def make_reader(storage: Any, step_dir: str) -> Any:
-    """A DCP reader of ``step_dir`` that never unpickles code (dcp_safe) and retries remote reads."""
-    from .dcp_safe import SafeFileSystemReader
+    """A DCP reader of ``step_dir`` that never unpickles code (``reader``) and retries remote reads."""
+    from .reader import SafeFileSystemReader
 
     local = storage.local_path(step_dir)
     if local is not None:

@@ -1,6 +1,6 @@
 """The shape and bounds of DCP's ``.metadata``, checked before anything uses it.
 
-The restricted unpickler (``dcp_safe``) guarantees that only the metadata classes were
+The restricted unpickler (``unpickle``) guarantees that only the metadata classes were
 made; this module guarantees they were put together as DCP puts them: a ``Metadata``
 whose ``state_dict_metadata`` maps names to tensor or bytes entries with consistent
 shapes and chunks, whose ``storage_data`` maps each item to a short path inside the

@@ -1,52 +1,23 @@
 """DCP save-plan caching (``DefaultSavePlanner(enable_plan_caching=True)``), made safe to leave on.
 
-Why: DCP's global save planning runs on rank 0 at every save; with 5,120 ranks of the
-reference layout it takes about 55 s (benchmarks/scale.py, ``dcp_plan_s``). With caching, a
-rank whose local plan is unchanged sends an empty plan, and when every rank's is, rank 0 reuses
-its cached global plan and ``Metadata`` (0.2 ms, ``dcp_plan_cached_s``).
+With caching, a rank whose local plan is unchanged sends an empty plan, and when every rank's
+is, rank 0 reuses its cached global plan and ``Metadata`` instead of planning anew. torch
+caches (class-level dicts of ``SavePlanner``, keyed by ``_cached_plans_key``) names, shapes,
+offsets and dtypes, never tensor data. What this module adds, for what torch leaves unsafe:
 
-What torch 2.13 caches (class-level dicts of ``SavePlanner``, keyed by ``_cached_plans_key``):
-every rank its last local plan and its last final plan; rank 0 also every rank's local plan,
-the global plan and the ``Metadata`` written to ``.metadata``. The cached plans and metadata
-hold names, shapes, offsets and dtypes, never tensor data: the values come from the state at
-every save.
+1. A plan counts as unchanged only when *equal* to the cached one in every field
+   (``CachingSavePlanner``): DCP's own comparison ignores dtypes and ``planner_data``, so a
+   tensor cast with its shape kept would record the old dtype in ``.metadata``.
+2. Keys of our own: each ``SavePlanCache`` (one per adapter) has a uuid, one key per save
+   path (live state, staged copy) and per (rank, world size), never DCP's process-wide default.
+3. A failed save drops its key's entries on this rank (``dropped_on_failure``), so the next
+   save plans from scratch; rank 0 refuses a save whose ranks disagree about the cache.
+4. A new process starts with empty caches; a restore does not touch them.
 
-What this module adds, for what torch leaves unsafe:
-
-1. DCP decides "unchanged" with ``_compare_save_plans``: fqn, offsets, index hint, size and
-   chunk. It does not compare ``tensor_data.properties`` (dtype, layout, requires_grad, ...)
-   nor the plan's ``planner_data`` (the flattening map, saved as ``Metadata.planner_data``).
-   A tensor cast to bf16 with its shape kept would reuse the cached ``Metadata`` and record
-   the old dtype in ``.metadata``. ``CachingSavePlanner`` sends its full plan unless it is
-   *equal* to the cached one (every field: DCP's comparison and dataclass equality), so rank 0
-   plans it anew (DCP's merge of changed plans); rank 0 likewise sends a rank its new final
-   plan when it differs in anything from the cached one.
-2. DCP's key defaults to the planner's class name: one cache for the whole process, shared
-   with a user's own DCP saves and with every other adapter (two runs in one process). Each
-   ``SavePlanCache`` (one per adapter) has keys of its own, a uuid, and one key per save path
-   (the live state and the staged copy of an asynchronous save differ in ``requires_grad``;
-   one key for both would replan at every switch) and per (rank, world size) in the group.
-3. A failed save may leave the caches half promoted (rank 0 caches the new plans before the
-   ranks promote theirs). The entries of that key are dropped on this rank whenever the save
-   raises, and a DCP failure raises on every rank, so the next save plans from scratch. If the
-   ranks nevertheless disagree (rank 0 has no cache while a rank sent an empty plan), rank 0
-   refuses the save rather than write a ``.metadata`` missing that rank's items; the refusal
-   fails the save on every rank and so drops every rank's entries.
-4. A new process (an elastic restart, at any world size) starts with empty caches: torch's
-   dicts are class attributes created at import and never persisted. A restore does not touch
-   the save caches (loading has its own planner and keeps nothing).
-
-Memory: rank 0 keeps every rank's local plan, the global plan and the Metadata, per key (the
-live state; with ``async_save`` also the staged copy, once a blocking save has used both). For
-the reference layout (5,120 ranks, 1,000 tensor shards per rank: 5.1 M write items) that is
-about 0.9 KB per write item as Python objects (measured with tracemalloc on
-``benchmarks/scale.py``'s plans at 64 and 640 ranks: 929 and 847 B), about 4.3 GB at 5,120
-ranks per key; every other rank keeps its own local and final plan (1,000 items, about 1 MB).
-That is DCP's design; ``NativeTorchAdapter(plan_caching=False)`` gives it up. The entries are
-dropped when their adapter is garbage-collected.
-
-Relies on torch internals (``_cached_plans_key``, the ``SavePlanner._cached_*`` dicts, the
-pending local plan promoted in ``finish_plan``) as of torch 2.13; where they are missing,
+Memory: rank 0 keeps every rank's local plan, the global plan and the Metadata per key
+(``NativeTorchAdapter(plan_caching=False)`` gives it up); entries are dropped when their
+adapter is garbage-collected. Relies on torch internals (``_cached_plans_key``, the
+``SavePlanner._cached_*`` dicts, ``finish_plan``) as of torch 2.13; where they are missing,
 ``SavePlanCache.planner`` returns None and DCP plans every save as before.
 """
 
