@@ -6,6 +6,38 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# pytest-xdist runs the tests on several workers (pyproject.toml: -n auto --dist loadgroup). The
+# tests of a module named here run on one worker, in order, each module as one unit: its tests
+# share one fixed resource, or read one expensive module fixture that another worker would
+# compute again. Other modules' tests go one at a time to whichever worker is free.
+ONE_WORKER = {
+    "test_slurm_cluster.py": "one Slurm cluster on fixed ports and one runtime directory",
+    "test_cli.py": "drilled: a drill with two SIGKILLs",
+    "test_continuity_after_restart.py": "outcomes: every scenario on 2 and on 4 ranks",
+    "test_torchdata_stateful_loader.py": "outcome: every job of the module",
+    "test_torchtitan.py": "runs: three torchtitan jobs",
+    "test_megatron_adopt.py": "megatron_alone: a Megatron run without resume",
+    "test_megatron_async_save.py": "killed: a Megatron async-save job",
+    "test_megatron_core_continuity.py": "tp2_save: a tensor-parallel Megatron-Core save",
+    "test_megatron_train_loop.py": "reference: Megatron's train() to the end",
+    "test_megatron_unrecorded.py": "saves: Megatron saves without resume",
+}
+
+
+# The longest single tests, handed out first (xdist hands out the groups, largest first, then the
+# other tests in collection order), so that no worker starts one as the others run out of work.
+FIRST = ("test_soak.py",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: item.path.name not in FIRST)
+    for item in items:
+        module = item.path.name
+        if module in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(module))
+
 
 @pytest.fixture
 def run_dir(tmp_path):

@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 from support import staged_trainer as st
+from support.shared import once
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,12 +62,15 @@ def by_iteration(trace: list[dict]) -> dict[int, dict]:
     return {e["iteration"]: {k: v for k, v in e.items() if k != "restored_from"} for e in trace}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("staged-ref")
+def uninterrupted(tmp) -> dict[int, tuple[list[dict], dict]]:
     out = str(tmp / "out")
     assert launch(str(tmp / "run"), out) == [0] * WORLD
     return {r: (read_trace(out, r), read_final(out, r)) for r in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return once(tmp_path_factory, "staged-ref", uninterrupted)
 
 
 # Checkpoints at 3, 6, 9, 12. Iteration 2 is skipped, so the 5th successful update is

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from resume import faults
 from resume.run import Run
+from support.shared import once
 from support.workloads import Setup, build, moment_digests, param_digests, train
 
 EVERY = 2
@@ -139,6 +140,18 @@ def run_job(run_url: str, *, world: int = 2, fault: str = "", until: int = UNTIL
         if timed_out:
             raise TimeoutError(f"job on {run_url} ran past {timeout_s} s: exit codes {job.codes}")
         return job
+
+
+def uninterrupted(tmp_path_factory, world: int = 2) -> list[dict]:
+    """Each rank's final state in a job that runs to the end without a fault (``run_job``'s
+    defaults): once per test session."""
+
+    def compute(where) -> list[dict]:
+        job = run_job(str(where / "run"), world=world)
+        assert job.codes == [0] * world, job
+        return job.final
+
+    return once(tmp_path_factory, f"uninterrupted-{world}-ranks", compute)
 
 
 def _tail(path: str, size: int = 4000) -> str:
