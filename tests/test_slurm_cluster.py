@@ -18,6 +18,7 @@ import time
 import pytest
 from resume.drill.runner import DrillConfig, launch_ranks, skipped_iterations
 from support.shared import once
+from support.traces import hook_events, read_jsonl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 
@@ -75,16 +76,13 @@ def trace_lines(path: str) -> int:
 
 def read_trace(path: str) -> dict[int, dict]:
     records = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            records[rec["iteration"]] = rec
+    for rec in read_jsonl(path):
+        records[rec["iteration"]] = rec
     return records
 
 
 def events(run: str) -> list[dict]:
-    with open(os.path.join(run, "cluster", "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return hook_events(run)
 
 
 def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = (), nodes_per_replica: int = 1,

@@ -13,6 +13,7 @@ import pathlib
 import pytest
 from support import staged_trainer as st
 from support.shared import once
+from support.traces import read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,11 +21,10 @@ WORLD = 2
 
 
 def _rank(rank: int, world: int, store: str, run: str, out: str, kill_at: int | None) -> None:
-    import torch
     import torch.distributed as dist
+    from support.ranks import init_gloo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         st.run_job(rank, world, run, out, kill_at)
     finally:
@@ -48,8 +48,7 @@ def launch(run: str, out: str, kill_at: int | None = None) -> list[int | None]:
 
 
 def read_trace(out: str, rank: int) -> list[dict]:
-    with open(os.path.join(out, f"trace-{rank}.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_jsonl(os.path.join(out, f"trace-{rank}.jsonl"))
 
 
 def read_final(out: str, rank: int) -> dict:
