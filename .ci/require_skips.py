@@ -3,7 +3,7 @@ Slurm are absent, every test marked ``megatron``, ``torchtitan`` or ``slurm`` mu
 nothing may fail or error. A marked test that passes there does not need its dependency (take the mark off); an
 unmarked one that needs it fails with an ImportError or a missing command.
 
-    PYTHONPATH=.ci python -m pytest -p require_skips tests/test_megatron_*.py tests/test_slurm_*.py
+    PYTHONPATH=.ci python -m pytest -p require_skips -n 0 tests/test_megatron_*.py tests/test_slurm_*.py
 
 It refuses to start where megatron-core, torchtitan or Slurm is present, or where the environment
 turns their absence into a failure (RESUME_REQUIRE_MEGATRON=1, RESUME_REQUIRE_TORCHTITAN=1, CI=true
@@ -48,6 +48,9 @@ def _present_dependencies() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("numprocesses", None):  # xdist collects on its workers, not here
+        raise pytest.UsageError("require_skips: expected one process (-n 0), actual "
+                                f"-n {config.getoption('numprocesses')}")
     present = _present_dependencies()
     if present:
         raise pytest.UsageError("require_skips: expected no megatron-core, torchtitan or Slurm, actual "

@@ -6,6 +6,54 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# pytest-xdist runs the tests on one worker per core (pyproject.toml: addopts -n auto). The tests
+# of a module named here run on one worker, in order, as one unit: they share one fixed resource,
+# or read one expensive module fixture that another worker would compute again. Other modules'
+# tests go one at a time to whichever worker is free. (xdist's own xdist_group mark does not
+# group under pytest 9, whose nodeid no longer reads the _nodeid that xdist rewrites.)
+ONE_WORKER = {
+    "test_slurm_cluster.py": "one Slurm cluster on fixed ports and one runtime directory",
+    "test_cli.py": "drilled: a drill with two SIGKILLs",
+    "test_continuity_after_restart.py": "outcomes: every scenario on 2 and on 4 ranks",
+    "test_torchdata_stateful_loader.py": "outcome: every job of the module",
+    "test_torchtitan.py": "runs: three torchtitan jobs",
+    "test_megatron_adopt.py": "megatron_alone: a Megatron run without resume",
+    "test_megatron_async_save.py": "killed: a Megatron async-save job",
+    "test_megatron_core_continuity.py": "tp2_save: a tensor-parallel Megatron-Core save",
+    "test_megatron_train_loop.py": "reference: Megatron's train() to the end",
+    "test_megatron_unrecorded.py": "saves: Megatron saves without resume",
+}
+# Handed out first, in this order (the longest stretches: the Slurm tests one after another, the
+# soak, the crash matrix), so that no worker starts one as the others run out of work; then the
+# other units in collection order.
+FIRST = ("test_slurm_cluster.py", "test_soak.py", "test_crash_matrix.py")
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return module if os.path.basename(module) in ONE_WORKER else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist load`` (what ``-n`` alone gives): units of work as ``_unit`` cuts them, handed
+    out in collection order."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order is FIRST's, then the collection's
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:  # each worker collects the same order
+        items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+
 
 @pytest.fixture
 def run_dir(tmp_path):

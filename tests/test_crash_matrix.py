@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from support.crash_jobs import UNTIL, committed_deep, run_job
+from support.crash_jobs import UNTIL, committed_deep, run_job, uninterrupted
 from support.s3 import S3Server, s3_env
 
 from resume.faults import POINTS, RANK0_POINTS
@@ -46,9 +46,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run's final state."""
-    job = run_job(str(tmp_path_factory.mktemp("reference") / "run"))
-    assert job.codes == [0, 0], job
-    return job.final
+    return uninterrupted(tmp_path_factory)
 
 
 def run_url(storage: str, tmp_path, request) -> tuple[str, dict]:
@@ -106,9 +104,7 @@ FOUR_CASES = [("save.after_shards", 3), ("save.after_gather", 3), ("save.after_g
 
 @pytest.fixture(scope="module")
 def reference_on_four(tmp_path_factory):
-    job = run_job(str(tmp_path_factory.mktemp("reference4") / "run"), world=FOUR)
-    assert job.codes == [0] * FOUR, job
-    return job.final
+    return uninterrupted(tmp_path_factory, world=FOUR)
 
 
 @pytest.mark.parametrize(("point", "rank"), FOUR_CASES, ids=[f"{p}@rank{r}" for p, r in FOUR_CASES])

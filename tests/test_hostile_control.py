@@ -27,6 +27,7 @@ import pytest
 from support.checkpoints import write_checkpoint
 from support.hostile import limited, resume_cli
 from support.ports import free_port
+from support.traces import read_jsonl
 
 from resume.control import (
     REQUEST_SUFFIX,
@@ -430,7 +431,7 @@ def start_worker(run: str, trace: str, final: str) -> list[subprocess.Popen]:
 
 
 def trace_iterations(trace) -> list[int]:
-    return [json.loads(line)["iteration"] for line in trace.read_text().splitlines()] if trace.exists() else []
+    return [record["iteration"] for record in read_jsonl(trace, missing_ok=True)]
 
 
 @pytest.mark.multiprocess

@@ -17,6 +17,8 @@ import time
 
 import pytest
 from resume.drill.runner import DrillConfig, launch_ranks, skipped_iterations
+from support.shared import once
+from support.traces import hook_events, read_jsonl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 
@@ -74,16 +76,13 @@ def trace_lines(path: str) -> int:
 
 def read_trace(path: str) -> dict[int, dict]:
     records = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            records[rec["iteration"]] = rec
+    for rec in read_jsonl(path):
+        records[rec["iteration"]] = rec
     return records
 
 
 def events(run: str) -> list[dict]:
-    with open(os.path.join(run, "cluster", "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return hook_events(run)
 
 
 def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = (), nodes_per_replica: int = 1,
@@ -104,16 +103,24 @@ def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = ()
     return job_id, paths
 
 
-def reference(tmp_path, ranks: int) -> dict:
+def uninterrupted(ref, ranks: int) -> dict:
     """The same training, uninterrupted, outside Slurm."""
-    ref = tmp_path / "reference"
-    ref.mkdir()
     cfg = DrillConfig(ranks=ranks, iterations=ITERATIONS, every=EVERY, kills=0)
     trace, final = str(ref / "trace.jsonl"), str(ref / "final.json")
     assert launch_ranks(cfg, run=str(ref / "run"), every=0, trace=trace, final=final, kill_at=0,
                    logs=str(ref), tag="reference") == 0
     with open(final) as f:
         return {"trace": read_trace(trace), "final": json.load(f)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(ranks=n)``: the uninterrupted run on n ranks, run once for each n."""
+
+    def of(ranks: int) -> dict:
+        return once(tmp_path_factory, f"slurm-reference-{ranks}", lambda where: uninterrupted(where, ranks))
+
+    return of
 
 
 def job_done(job_id: str) -> dict | None:
@@ -129,7 +136,7 @@ def debug(paths: dict) -> str:
         return "(no job output)"
 
 
-def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path):
+def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path, reference):
     job_id, paths = submit(tmp_path, nodes=2)
     wait_for(lambda: trace_lines(paths["trace"]) >= 12, 180, "the job to train 12 iterations")
     sh("scancel", "--signal=USR1", "--batch", job_id)
@@ -141,7 +148,7 @@ def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(cluster, t
     trace = read_trace(paths["trace"])
     resumed = [r for r in trace.values() if r["restored_from"] is not None]
     assert resumed, "the second run did not restore"
-    ref = reference(tmp_path, ranks=2)
+    ref = reference(ranks=2)
     assert [trace[i]["loss"] for i in range(1, ITERATIONS + 1)] == \
         [ref["trace"][i]["loss"] for i in range(1, ITERATIONS + 1)]
     with open(paths["final"]) as f:
@@ -172,7 +179,7 @@ def _down_one_step_node(paths: dict, minimum_iterations: int) -> str:
     return victim
 
 
-def test_a_node_down_mid_run_relaunches_on_a_spare_inside_the_allocation(cluster, tmp_path):
+def test_a_node_down_mid_run_relaunches_on_a_spare_inside_the_allocation(cluster, tmp_path, reference):
     job_id, paths = submit(tmp_path, nodes=3, spares=1)
     with one_step_node_down(paths) as victim:
         fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
@@ -181,14 +188,14 @@ def test_a_node_down_mid_run_relaunches_on_a_spare_inside_the_allocation(cluster
     evs = events(paths["run"])
     spare = next(e for e in evs if e["event"] == "relaunch_on_spares")
     assert victim not in spare["nodes"] and len(spare["nodes"]) == 2
-    ref = reference(tmp_path, ranks=2)
+    ref = reference(ranks=2)
     with open(paths["final"]) as f:
         final = json.load(f)
     assert final["params"] == ref["final"]["params"]
     assert final["counters"] == ref["final"]["counters"]
 
 
-def test_no_spare_left_shrinks_keeping_the_global_batch(cluster, tmp_path):
+def test_no_spare_left_shrinks_keeping_the_global_batch(cluster, tmp_path, reference):
     job_id, paths = submit(tmp_path, nodes=4)
     with one_step_node_down(paths):
         fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
@@ -196,7 +203,7 @@ def test_no_spare_left_shrinks_keeping_the_global_batch(cluster, tmp_path):
     shrink = next(e for e in events(paths["run"]) if e["event"] == "shrink")
     assert (shrink["from_dp"], shrink["to_dp"]) == (4, 2)
     trace = read_trace(paths["trace"])
-    ref = reference(tmp_path, ranks=4)
+    ref = reference(ranks=4)
     # The LR schedule and the counters continue exactly; the sample stream too
     # (the continuity check compared next batch ids on the resized restart).
     assert [trace[i]["lr"] for i in range(1, ITERATIONS + 1)] == \
@@ -214,7 +221,7 @@ def test_a_step_that_always_crashes_at_the_same_iteration_stops_requeueing(clust
     assert [e["event"] for e in evs].count("launch") == 3
 
 
-def test_a_node_set_down_without_draining_is_replaced_by_the_spare(cluster, tmp_path):
+def test_a_node_set_down_without_draining_is_replaced_by_the_spare(cluster, tmp_path, reference):
     """ReturnToService=2: Slurm removes the downed node from the job, then returns it to service
     within milliseconds. The hook follows the job's node list, not the node's state."""
     job_id, paths = submit(tmp_path, nodes=3, spares=1)
@@ -232,7 +239,7 @@ def test_a_node_set_down_without_draining_is_replaced_by_the_spare(cluster, tmp_
     assert "crash_loop" not in kinds and "step_failed" not in kinds, (kinds, debug(paths))
     relaunch = [e for e in evs if e["event"] == "launch"][-1]
     assert victim not in relaunch["nodes"] and len(relaunch["nodes"]) == 2
-    ref = reference(tmp_path, ranks=2)
+    ref = reference(ranks=2)
     with open(paths["final"]) as f:
         final = json.load(f)
     assert final["params"] == ref["final"]["params"] and final["counters"] == ref["final"]["counters"]
@@ -250,7 +257,7 @@ def test_a_time_limit_signal_as_the_run_ends_leaves_the_job_completed_not_requeu
     assert "requeued" not in [e["event"] for e in evs]
 
 
-def test_two_nodes_per_replica_fail_over_to_a_spare_replica(cluster, tmp_path):
+def test_two_nodes_per_replica_fail_over_to_a_spare_replica(cluster, tmp_path, reference):
     # One replica of 2 nodes x 2 tasks (4 ranks) and 2 spare nodes: a node failure takes its whole
     # replica out (every rank of it relaunched); spares fill it, the same 4 ranks, bitwise.
     job_id, paths = submit(tmp_path, nodes=4, spares=2, nodes_per_replica=2, tasks_per_node=2)
@@ -261,13 +268,13 @@ def test_two_nodes_per_replica_fail_over_to_a_spare_replica(cluster, tmp_path):
     assert launches[0]["tasks"] == 4 and len(launches[0]["nodes"]) == 2
     # The replica is rebuilt from healthy nodes (its healthy half may stay in it), all 4 ranks relaunched.
     assert victim not in launches[-1]["nodes"] and len(launches[-1]["nodes"]) == 2 and launches[-1]["tasks"] == 4
-    ref = reference(tmp_path, ranks=4)
+    ref = reference(ranks=4)
     with open(paths["final"]) as f:
         final = json.load(f)
     assert final["params"] == ref["final"]["params"] and final["counters"] == ref["final"]["counters"]
 
 
-def test_two_nodes_per_replica_without_a_spare_shrink_keeping_the_global_batch(cluster, tmp_path):
+def test_two_nodes_per_replica_without_a_spare_shrink_keeping_the_global_batch(cluster, tmp_path, reference):
     job_id, paths = submit(tmp_path, nodes=4, nodes_per_replica=2, tasks_per_node=2)
     with one_step_node_down(paths):
         fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
@@ -277,7 +284,7 @@ def test_two_nodes_per_replica_without_a_spare_shrink_keeping_the_global_batch(c
     launches = [e for e in events(paths["run"]) if e["event"] == "launch"]
     assert [e["tasks"] for e in launches] == [8, 4]
     trace = read_trace(paths["trace"])
-    ref = reference(tmp_path, ranks=8)
+    ref = reference(ranks=8)
     assert [trace[i]["lr"] for i in range(1, ITERATIONS + 1)] == \
         [ref["trace"][i]["lr"] for i in range(1, ITERATIONS + 1)]
     with open(paths["final"]) as f:

@@ -29,6 +29,7 @@ from resume.cluster.slurm import (
 from resume.cluster.template import SbatchTemplate
 from support.cli import assert_one_line_error, resume
 from support.ports import free_port
+from support.traces import hook_events
 
 from resume.checksum import checksum_bytes
 from resume.control import answer_request, pending_requests
@@ -157,8 +158,7 @@ def commit_checkpoint(run, step, *, timing=None):
 
 
 def events(tmp_path):
-    with open(tmp_path / "run" / "cluster" / "events.jsonl") as f:
-        return [json.loads(line) for line in f]
+    return hook_events(tmp_path / "run")
 
 
 def nodelist(launch):

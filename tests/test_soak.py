@@ -12,7 +12,7 @@ uninterrupted run's. ``benchmarks/soak.py`` runs the same loop for longer.
 from __future__ import annotations
 
 import pytest
-from support.crash_jobs import soak
+from support.crash_jobs import soak, uninterrupted
 from support.s3 import FaultProxy, S3Server, s3_env
 
 pytestmark = pytest.mark.multiprocess
@@ -40,10 +40,10 @@ def faulty_s3(tmp_path_factory):
 
 @pytest.mark.timeout(1200)  # about 5 minutes on a 2-core machine; the default is 300 s per test
 def test_fifty_random_crash_cycles_lose_nothing_and_end_where_an_uninterrupted_run_ends(
-        tmp_path, faulty_s3):
+        tmp_path, tmp_path_factory, faulty_s3):
     lines = []
     report = soak(CYCLES, root=str(tmp_path), seed=2026, s3=("s3://soak", s3_env(faulty_s3.endpoint)),
-                  log=lines.append)
+                  reference=uninterrupted(tmp_path_factory), log=lines.append)
     print(report.table())
     assert report.cycles >= CYCLES
     assert report.lost == 0, lines

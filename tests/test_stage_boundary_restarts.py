@@ -12,6 +12,8 @@ import pathlib
 
 import pytest
 from support import staged_trainer as st
+from support.shared import once
+from support.traces import read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,11 +21,10 @@ WORLD = 2
 
 
 def _rank(rank: int, world: int, store: str, run: str, out: str, kill_at: int | None) -> None:
-    import torch
     import torch.distributed as dist
+    from support.ranks import init_gloo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         st.run_job(rank, world, run, out, kill_at)
     finally:
@@ -47,8 +48,7 @@ def launch(run: str, out: str, kill_at: int | None = None) -> list[int | None]:
 
 
 def read_trace(out: str, rank: int) -> list[dict]:
-    with open(os.path.join(out, f"trace-{rank}.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_jsonl(os.path.join(out, f"trace-{rank}.jsonl"))
 
 
 def read_final(out: str, rank: int) -> dict:
@@ -61,12 +61,15 @@ def by_iteration(trace: list[dict]) -> dict[int, dict]:
     return {e["iteration"]: {k: v for k, v in e.items() if k != "restored_from"} for e in trace}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("staged-ref")
+def uninterrupted(tmp) -> dict[int, tuple[list[dict], dict]]:
     out = str(tmp / "out")
     assert launch(str(tmp / "run"), out) == [0] * WORLD
     return {r: (read_trace(out, r), read_final(out, r)) for r in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return once(tmp_path_factory, "staged-ref", uninterrupted)
 
 
 # Checkpoints at 3, 6, 9, 12. Iteration 2 is skipped, so the 5th successful update is

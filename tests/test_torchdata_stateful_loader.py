@@ -16,21 +16,18 @@ refused, naming the item and what to use instead (adapters/data.py).
 
 from __future__ import annotations
 
-import datetime
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import tempfile
-import time
 
 import pytest
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
 import torch
-import torch.distributed as dist
 from resume.adapters.data import (
     GlobalPositionSampler,
     IndexedDataset,
@@ -40,7 +37,8 @@ from resume.adapters.data import (
 )
 from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
-from support.ranks import run_ranks
+from support.ranks import end_like_slurm, init_gloo, run_ranks
+from support.traces import read_jsonl
 from support.workloads import next_token_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
@@ -126,10 +124,8 @@ def references(rank: int, world: int, tmp: str) -> dict:
 
 
 def _killed_rank(rank: int, world: int, store: str, run: str, kind: str, out: str) -> None:
-    torch.set_num_threads(1)
     os.dup2(os.open(os.path.join(out, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT), 2)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, store, timeout_s=60)
     coord, parts = build(rank, world, run, kind)
     coord.restore()
     train(coord, parts, UNTIL, die_at=DIE_AT if rank == 0 else None,
@@ -151,28 +147,13 @@ def killed_jobs(runs: dict[str, str], world: int = 2, timeout_s: float = 90.0) -
             for p in procs:
                 p.start()
             jobs[kind] = (out, procs)
-        started, first_death = time.monotonic(), {}
-        overdue = False
-        while any(p.is_alive() for _, procs in jobs.values() for p in procs):
-            now = time.monotonic()
-            overdue = now - started > timeout_s
-            for kind, (_, procs) in jobs.items():
-                if kind not in first_death and any(p.exitcode is not None for p in procs):
-                    first_death[kind] = now
-                if overdue or kind in first_death and now - first_death[kind] > GRACE_S:
-                    for p in procs:
-                        if p.is_alive():
-                            os.kill(p.pid, signal.SIGKILL)
-            time.sleep(0.02)
+        # Its ranks never exit 0 (rank 0 dies, the other ends by os._exit(3) or is killed).
+        overdue = end_like_slurm([procs for _, procs in jobs.values()], grace_s=GRACE_S, timeout_s=timeout_s)
         results = {}
         for kind, (out, procs) in jobs.items():
-            for p in procs:
-                p.join()
             traces, logs = [], []
             for rank in range(world):
-                path = os.path.join(out, f"trace-{rank}.jsonl")
-                with open(path) if os.path.exists(path) else open(os.devnull) as f:
-                    traces.append([json.loads(line) for line in f])
+                traces.append(read_jsonl(os.path.join(out, f"trace-{rank}.jsonl"), missing_ok=True))
                 with open(os.path.join(out, f"rank-{rank}.log"), errors="replace") as f:
                     logs.append(f.read()[-3000:])
             results[kind] = {"codes": [p.exitcode for p in procs], "traces": traces, "logs": logs}

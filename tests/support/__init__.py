@@ -1,7 +1,10 @@
 """What the tests share; test modules import from here and from the product, never each other.
 
 - ``workloads``: the tiny GPT job most tests train (build, train, digests), one process or many;
-- ``ranks``: ``run_ranks``, a function on several spawned gloo processes;
+- ``ranks``: ``run_ranks``, a function on several spawned gloo processes; ``init_gloo`` for a rank
+  of one's own; ``end_like_slurm``, a job's other ranks killed shortly after one died;
+- ``shared``: ``once``, a result (an uninterrupted reference run) computed once per test session;
+- ``traces``: records written one JSON object a line (iteration traces, the hook's events);
 - ``crash_jobs``: jobs whose ranks crash inside a save, and the soak built on them;
 - ``staged_trainer``: a speed-run-shaped trainer that unties its embedding at a stage boundary;
 - ``checkpoints``: checkpoints written by hand, and damage done to them (torn, flipped, planted);

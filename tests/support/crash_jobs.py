@@ -11,21 +11,18 @@ its final state when it reaches the end.
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import json
 import multiprocessing as mp
 import os
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-
 from resume import faults
 from resume.run import Run
+from support.ranks import end_like_slurm, init_gloo
+from support.shared import once
 from support.workloads import Setup, build, moment_digests, param_digests, train
 
 EVERY = 2
@@ -58,10 +55,8 @@ def _rank_main(rank: int, world: int, store: str, out: str, run_url: str, env: d
     log_fd = os.open(os.path.join(out, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log_fd, 2)
     faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hung rank says where
-    torch.set_num_threads(1)
     faults.arm(fault)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, store, timeout_s=60)
     coord, parts = build(rank, world, run_url, Setup(every=EVERY, keep=keep, total_updates=UNTIL,
                                                       on_save_failure=on_save_failure))
     try:
@@ -114,20 +109,7 @@ def run_job(run_url: str, *, world: int = 2, fault: str = "", until: int = UNTIL
                  for rank in range(world)]
         for p in procs:
             p.start()
-        first_death: float | None = None
-        timed_out = False
-        while any(p.is_alive() for p in procs):
-            now = time.monotonic()
-            if first_death is None and any(p.exitcode not in (None, 0) for p in procs):
-                first_death = now
-            timed_out = now - started > timeout_s
-            if first_death is not None and now - first_death > GRACE_S or timed_out:
-                for p in procs:
-                    if p.is_alive():
-                        os.kill(p.pid, signal.SIGKILL)
-            time.sleep(0.02)
-        for p in procs:
-            p.join()
+        timed_out = end_like_slurm([procs], grace_s=GRACE_S, timeout_s=timeout_s)
         restored = []
         for rank in range(world):
             body = _read(out, f"restored-{rank}")
@@ -139,6 +121,18 @@ def run_job(run_url: str, *, world: int = 2, fault: str = "", until: int = UNTIL
         if timed_out:
             raise TimeoutError(f"job on {run_url} ran past {timeout_s} s: exit codes {job.codes}")
         return job
+
+
+def uninterrupted(tmp_path_factory, world: int = 2) -> list[dict]:
+    """Each rank's final state in a job that runs to the end without a fault (``run_job``'s
+    defaults): once per test session."""
+
+    def compute(where) -> list[dict]:
+        job = run_job(str(where / "run"), world=world)
+        assert job.codes == [0] * world, job
+        return job.final
+
+    return once(tmp_path_factory, f"uninterrupted-{world}-ranks", compute)
 
 
 def _tail(path: str, size: int = 4000) -> str:

@@ -1,12 +1,16 @@
-"""Run a function on several real processes with torch.distributed (gloo)."""
+"""Run a function on several real processes with torch.distributed (gloo); end a job's processes
+as Slurm ends a step."""
 
 from __future__ import annotations
 
+import datetime
 import gc
 import glob
 import json
 import os
+import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -25,9 +29,39 @@ def _write_json(out_dir: str, name: str, body: object) -> None:
         json.dump(body, f)
 
 
-def _entry(rank: int, world: int, store: str, fn, args: tuple, out_dir: str) -> None:
+def init_gloo(rank: int, world: int, store: str, *, timeout_s: float | None = None) -> None:
+    """This process as ``rank`` of a gloo group of ``world`` on the file store ``store``, on one
+    CPU thread (``timeout_s``: of the group's collectives; torch's default without)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, **timeout)
+
+
+def end_like_slurm(jobs: list[list], *, grace_s: float, timeout_s: float) -> bool:
+    """Wait until every process of every job has ended. As Slurm ends a step whose task died, the
+    other processes of a job are SIGKILLed ``grace_s`` after one of them exits non-zero; past
+    ``timeout_s`` every process is. True when the timeout was reached."""
+    started, first_death = time.monotonic(), {}
+    overdue = False
+    while any(p.is_alive() for procs in jobs for p in procs):
+        now = time.monotonic()
+        overdue = now - started > timeout_s
+        for job, procs in enumerate(jobs):
+            if job not in first_death and any(p.exitcode not in (None, 0) for p in procs):
+                first_death[job] = now
+            if overdue or job in first_death and now - first_death[job] > grace_s:
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGKILL)
+        time.sleep(0.02)
+    for procs in jobs:
+        for p in procs:
+            p.join()
+    return overdue
+
+
+def _entry(rank: int, world: int, store: str, fn, args: tuple, out_dir: str) -> None:
+    init_gloo(rank, world, store)
     try:
         result = fn(rank, world, *args)
         _write_json(out_dir, f"result-{rank}.json", result)
