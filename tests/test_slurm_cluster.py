@@ -36,10 +36,14 @@ def sh(*args: str, timeout: float = 60, check: bool = True) -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if shutil.which("sbatch") is None:
-        if os.environ.get("CI") == "true":  # CI installs Slurm: its absence is a failure there
-            pytest.fail("CI: expected Slurm installed by .ci/run, actual no sbatch on PATH")
-        pytest.skip("no Slurm on this machine (bash tests/support/slurm_cluster.sh install)")
+    # What slurm_cluster.sh up needs: Slurm's daemons and munge on PATH, and root. A machine with
+    # only Slurm's client commands (a login node) or a user who is not root skips, as one without Slurm.
+    missing = [exe for exe in ("sbatch", "munged", "slurmctld", "slurmd", "sinfo") if shutil.which(exe) is None]
+    if missing or os.geteuid() != 0:
+        why = f"{', '.join(missing)} not on PATH" if missing else "not root"
+        if os.environ.get("CI") == "true":  # CI installs Slurm and runs as root: a failure there
+            pytest.fail(f"CI: expected Slurm installed by .ci/run and root, actual {why}")
+        pytest.skip(f"no Slurm cluster on loopback here: {why} (bash tests/support/slurm_cluster.sh install, as root)")
     runtime = os.environ.get("RESUME_TEST_SLURM_DIR", "/tmp/rs")
     out = sh("bash", CLUSTER_SH, "up", runtime, timeout=180)
     conf = out.strip().splitlines()[-1].split("=", 1)[1]
