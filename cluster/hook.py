@@ -30,6 +30,9 @@ from resume.changes import ACCEPT_ENV, AcceptChanges
 from resume.control import pending_requests, post_save_request, wait_for_answer, withdraw_request
 from resume.errors import EXIT_CRASH_LOOP, EXIT_UNRECOVERABLE, ResumeError, UsageError
 from resume.run import Run, utc_now
+from resume.watchdog import HANG_ENV, HANGS, RUN_ENV, HangBounds
+
+from .hangs import COLLECT_S, Hang, HangWatch, collect, find_suspects, hang_summary
 
 from .crash_loop import CrashLoopPolicy
 from .events import EventLog
@@ -38,6 +41,7 @@ from .hook_state import StateFile
 from .layout import valid_dp_sizes
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
 from .step import StepLauncher, master_port, srun_command
+from .straggler_watch import StragglerWatch
 from .watch import RunWatcher
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
@@ -77,6 +81,16 @@ class HookConfig:
     accept_changes: tuple[str, ...] = ()
     """Changed settings the training may accept at its restarts (resume.changes names): added
     to ``RESUME_ACCEPT_CHANGES`` in the step's environment, at every launch and requeue."""
+    hang: HangBounds = HangBounds()
+    """Hang detection's bounds (``resume.watchdog``), passed to every rank (``RESUME_HANG``);
+    the start-up bound comes from the launches measured so far."""
+    hang_collect_s: float = COLLECT_S
+    """After a hang is declared, how long to wait for every rank's report."""
+    straggler_factor: float | None = None
+    """Replace a node that is the slowest by more than this factor (its slowest rank's median
+    iteration time over the median) at ``straggler_saves`` checkpoints in a row, when a spare is
+    free. None: off."""
+    straggler_saves: int = 3
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -85,7 +99,12 @@ class HookConfig:
             object.__setattr__(self, "accept_changes", AcceptChanges.parse(self.accept_changes, env={}).names)
         except UsageError as e:
             raise UsageError(f"slurm run: --accept-change: {e}") from None
-        for name in ("global_batch", "micro_batch", "nodes_per_replica", "tasks_per_node", "crash_loop"):
+        if self.straggler_factor is not None and not self.straggler_factor > 1:
+            raise UsageError(f"slurm run: --replace-stragglers: expected a factor > 1, actual {self.straggler_factor}")
+        if not self.hang_collect_s >= 0:
+            raise UsageError(f"slurm run: --hang-collect: expected seconds >= 0, actual {self.hang_collect_s}")
+        for name in ("global_batch", "micro_batch", "nodes_per_replica", "tasks_per_node", "crash_loop",
+                     "straggler_saves"):
             if getattr(self, name) < 1:
                 raise UsageError(f"slurm run: --{name.replace('_', '-')}: expected >= 1, "
                                  f"actual {getattr(self, name)}")
@@ -156,6 +175,11 @@ class Supervisor:
         self.state = self.state_file.load()
         self.crash_loop = CrashLoopPolicy(cfg.crash_loop)
         self._signal: int | None = None
+        self.hangs: HangWatch | None = None
+        self._hang: Hang | None = None
+        self.excluded: list[str] = []
+        """Nodes of a hang's suspects, left out for the rest of this allocation (a spare took over)."""
+        self.stragglers = StragglerWatch(self.watch, cfg.straggler_factor, cfg.straggler_saves, self.log)
         full = (len(job.nodes) - cfg.spares) // cfg.nodes_per_replica
         valid = cfg.valid_dp(full)
         if not valid:
@@ -190,6 +214,14 @@ class Supervisor:
                 # Preemption signals the hook and the step together: a step that
                 # ended first is not a failure to relaunch, it is a requeue.
                 return self._save_stop_requeue(proc)
+            if outcome == "hang":
+                verdict = self._after_hang(proc, nodes)
+                if verdict is not None:
+                    return verdict
+                continue
+            if outcome == "straggler":
+                self._replace_straggler(proc, nodes)
+                continue
             rc = proc.returncode
             if rc == 0:
                 self.log.event("finished", exit_code=0, nodes=nodes,
@@ -205,7 +237,7 @@ class Supervisor:
     # -- decisions --------------------------------------------------------------------------
 
     def _choose_nodes(self) -> tuple[int, list[str]] | None:
-        healthy = [n for n in self.allocation if n not in self.state.bad_nodes]
+        healthy = [n for n in self.allocation if n not in self.state.bad_nodes and n not in self.excluded]
         fits = len(healthy) // self.cfg.nodes_per_replica
         valid = self.cfg.valid_dp(min(fits, self.planned_dp))
         if not valid:
@@ -420,8 +452,12 @@ class Supervisor:
         master = addresses.get(nodes[0], nodes[0])
         port = master_port(self.job.job_id, self.state.launches)
         tasks = len(nodes) * self.cfg.tasks_per_node
+        bounds = self.cfg.hang.merged(startup_s=self.cfg.hang.bound(self.state.startup_s)
+                                      if self.state.startup_s is not None else None)
+        self.hangs = HangWatch(self.rundir.storage, launch=self.state.launches, bounds=bounds, clock=self.clock)
         env = dict(self.env, MASTER_ADDR=master, MASTER_PORT=str(port), RESUME_DP=str(dp),
-                   RESUME_LAUNCH=str(self.state.launches), **self.accept_env)
+                   RESUME_LAUNCH=str(self.state.launches), **self.accept_env,
+                   **{HANG_ENV: bounds.to_env(), RUN_ENV: self.cfg.run_url})
         self.log.event("launch", launch=self.state.launches, dp=dp, nodes=nodes, tasks=tasks,
                        master=f"{master}:{port}", committed_step=self.watch.committed_quietly(),
                        **self.accept_env)
@@ -431,22 +467,103 @@ class Supervisor:
         while proc.poll() is None:
             if self._signal is not None:
                 return "signal"
+            hang = self.hangs.poll() if self.hangs is not None else None
+            if hang is not None:
+                self._hang = hang
+                return "hang"
+            if self.stragglers.poll(self.clock(), spare_free=self._spare_free):
+                return "straggler"
             self.sleep(self.cfg.poll_s)
+        self._note_startup()
         return "exited"
 
+    def _note_startup(self) -> None:
+        """The launch's measured start-up (to its first iteration): the next launch's bound."""
+        if self.hangs is not None and self.hangs.startup_s is not None:
+            self.state.startup_s = self.hangs.startup_s
+
+    def _after_hang(self, proc: Any, nodes: list[str]) -> int | None:
+        """A phase went on past its bound: keep every rank's report, name the suspect, end the
+        step for sure, leave the suspect's node out when a spare is free, count a failure."""
+        hang, launch = self._hang, self.state.launches
+        assert hang is not None and self.hangs is not None
+        self._note_startup()
+        tasks = len(nodes) * self.cfg.tasks_per_node
+        reports = collect(self.rundir.storage, launch=launch, world_size=tasks, clock=self.clock,
+                          sleep=self.sleep, window_s=self.cfg.hang_collect_s, poll_s=self.cfg.poll_s)
+        suspects, why = find_suspects(reports, tasks, hang.phase)
+        summary = hang_summary(hang, reports, suspects, why, nodes, self.cfg.tasks_per_node,
+                               self.rundir.storage.url(f"{HANGS}/launch-{launch}"))
+        committed = self.watch.committed_quietly()
+        self.log.event("hang", nodes=nodes, committed_step=committed, **summary)
+        self._stop_step(proc, wait_s=0.0)
+        self.state.failures.append({"at": utc_now(), "exit_code": proc.poll(), "committed_step": committed,
+                                    "hang": hang.phase})
+        leave_out = [n for n in summary["suspect_nodes"] if n in self.allocation]
+        if leave_out and self._spare_free(len(leave_out)):
+            self.excluded.extend(n for n in leave_out if n not in self.excluded)
+            self.log.event("hung_node_excluded", nodes=leave_out, reason="a spare is free: relaunched "
+                           "without the suspect's node for the rest of this allocation")
+        else:
+            self.log.event("hang_relaunch_in_place", nodes=nodes, reason="no suspect node, or no spare "
+                           "free: the same nodes are relaunched")
+        self._save_state()
+        if self.crash_loop.should_stop(self.state.failures):
+            self.log.event("crash_loop", failures=self.crash_loop.limit, committed_step=committed,
+                           reason=f"{self.crash_loop.limit} failures (hangs included) in a row without a "
+                                  f"new checkpoint (last committed step {committed}); not requeueing")
+            return EXIT_CRASH_LOOP
+        return None
+
+    def _spare_free(self, count: int = 1) -> bool:
+        """Whether ``count`` more nodes can be left out and the planned replicas still fit."""
+        healthy = [n for n in self.allocation if n not in self.state.bad_nodes and n not in self.excluded]
+        return (len(healthy) - count) // self.cfg.nodes_per_replica >= self.planned_dp
+
+    def _replace_straggler(self, proc: Any, nodes: list[str]) -> None:
+        """The straggler policy chose a node: save now (a checkpoint, nothing lost), stop, relaunch
+        without it on a spare."""
+        node = self.stragglers.chosen
+        saved = self._save_by_request(proc, "straggler", self._save_wait())
+        self._stop_step(proc, wait_s=self.cfg.step_exit_s if saved else 0.0)
+        if node is not None and node in nodes and self._spare_free():
+            self.excluded.append(node)
+            self.log.event("straggler_replaced", nodes=[node], committed_step=self.watch.committed_quietly(),
+                           reason=f"node {node} was the slowest by more than x{self.cfg.straggler_factor} at "
+                                  f"{self.cfg.straggler_saves} checkpoints in a row: relaunched without it")
+        self.stragglers.reset()
+        self._save_state()
+
     def _stop_step(self, proc: Any, *, wait_s: float) -> None:
+        """Until the step has ended: its own exit within ``wait_s``, then TERM to srun (passed on
+        to every task), then KILL to the Slurm step (a stopped task too), then KILL to srun; a
+        step that outlives all of it (a task in uninterruptible sleep) is said and left behind."""
         deadline = self.clock() + wait_s
         while proc.poll() is None and self.clock() < deadline:
             self.sleep(self.cfg.poll_s)
-        for sig, patience in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for how, patience in (("SIGTERM", 10.0), ("step", 10.0), ("SIGKILL", 5.0)):
             if proc.poll() is not None:
                 break
-            self.log.event("stop_step", signal=sig.name, reason="the step did not leave by itself")
-            proc.send_signal(sig)
+            self.log.event("stop_step", signal=how if how != "step" else "SIGKILL to the Slurm step",
+                           reason="the step did not leave by itself")
+            if how == "step":
+                self._kill_slurm_steps()
+            else:
+                proc.send_signal(signal.Signals[how])
             deadline = self.clock() + patience
             while proc.poll() is None and self.clock() < deadline:
                 self.sleep(self.cfg.poll_s)
+        if proc.poll() is None:
+            self.log.event("step_unkillable", reason="srun outlived TERM, the step's KILL and its own KILL "
+                           "(a task in uninterruptible sleep?): left behind, Slurm drains its node")
         self.log.event("step_ended", exit_code=proc.poll())
+
+    def _kill_slurm_steps(self) -> None:
+        try:
+            for step in self.slurm.job_steps(self.job.job_id):
+                self.slurm.signal_step(step, "KILL")
+        except SlurmError as e:
+            self.log.event("step_kill_failed", reason=str(e))
 
     def _save_state(self) -> None:
         self.state_file.save(self.state)

@@ -14,6 +14,7 @@ from typing import Any
 
 from resume.storage import SMALL_FILE_CAP, Storage
 from resume.text import clip, parse_json, short
+from resume.watchdog import seconds_or_none
 
 __all__ = ["STATE", "HookState", "StateFile"]
 
@@ -30,6 +31,9 @@ class HookState:
     failures: list[dict] = field(default_factory=list)
     """Step failures on healthy nodes, oldest first: ``{at, exit_code, committed_step}``."""
     launches: int = 0
+    startup_s: float | None = None
+    """The last launch's start-up, launch to first iteration (the hook's clock): the start-up
+    bound of the next (``HangBounds.bound``)."""
 
 
 class StateFile:
@@ -55,11 +59,11 @@ class StateFile:
         same_job = body.get("job") == self.job_id
         return HookState(bad_nodes=list(body.get("bad_nodes", [])),
                          failures=list(body.get("failures", [])) if same_job else [],
-                         launches=body.get("launches", 0))
+                         launches=body.get("launches", 0), startup_s=seconds_or_none(body.get("startup_s")))
 
     def save(self, state: HookState) -> None:
         body = {"bad_nodes": state.bad_nodes, "failures": state.failures[-KEPT_FAILURES:],
-                "launches": state.launches, "job": self.job_id}
+                "launches": state.launches, "job": self.job_id, "startup_s": state.startup_s}
         self.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
 
 

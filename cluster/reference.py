@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from resume.errors import UsageError
+from resume.watchdog import BEAT_S, HANG_FACTOR, HANG_FLOOR_S
 
 from .layout import REFERENCE
 
@@ -34,6 +35,18 @@ MODEL_BYTES_PER_PARAMETER = 2
 """The bf16 weights: every data-parallel replica holds its TP x PP shard of them."""
 OPTIMIZER_BYTES_PER_PARAMETER = CHECKPOINT_BYTES_PER_PARAMETER - MODEL_BYTES_PER_PARAMETER
 """fp32 master weights and both moments: the distributed optimizer shards them over DP too."""
+SEQUENCE_TOKENS = 8192
+"""Tokens per sequence of the reference run (its global batch is ``REFERENCE.global_batch`` sequences)."""
+ASSUMED_GPU_TFLOPS = 400.0
+"""Sustained bf16 TFLOP/s per GPU, assumed: only to show that an iteration is shorter than the
+hang bound's floor divided by its factor, so that the floor is the bound."""
+COLLECT_S = 30.0
+"""How long the Slurm hook waits for the ranks' stack reports once it sees a hang before it stops
+the step: the hook's own ``COLLECT_S`` (tests/test_simulate_hangs.py checks they agree)."""
+STOP_STAGES_S = (("SIGTERM", 10.0), ("SIGKILL", 5.0), ("scancel of the step", 10.0))
+"""The hook's patience at each stage of stopping a hung step (cluster/hook.py: ``_stop_step``)."""
+STOP_ESCALATION_S = sum(patience for _, patience in STOP_STAGES_S)
+"""A hung step's stop, every stage's patience spent in full."""
 GB = 1e9
 MIB = 1 << 20
 
@@ -194,6 +207,9 @@ LABELS = {
     "scheduling": "Slurm scheduling pass",
     "restart_spare": "restart on a spare, to first iteration",
     "restart_requeue": "restart after a requeue, to first iteration",
+    "hang_detect": "hang detected, stack reports collected (during iterations)",
+    "hang_stop": "hung step stopped (TERM, KILL, scancel)",
+    "hang_recovery": "hang: last progress to first iteration, on a spare or the same nodes",
 }
 """Every figure's row in the table, in order."""
 
@@ -313,15 +329,42 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         f"computed: requeue hold {_number(f['requeue_hold'].value)} + scheduling pass "
         f"{_number(f['scheduling'].value)} + queue wait {_number(i.queue_wait_s)} + the restart on a "
         f"spare {_number(spare_s)} s"))
+
+    # Phase 5, a hang: the watchdog's bound, the stack reports, the stop, then a restart.
+    tokens = ref.global_batch * SEQUENCE_TOKENS
+    iteration_s = 6 * PARAMETERS * tokens / (ref.world_size * ASSUMED_GPU_TFLOPS * 1e12)
+    detect_s = HANG_FLOOR_S + BEAT_S + COLLECT_S
+    f["hang_detect"] = Figure(detect_s, "s", (
+        f"computed: the iteration bound {_number(HANG_FLOOR_S)} (max(floor {_number(HANG_FLOOR_S)}, "
+        f"{_number(HANG_FACTOR)} x the slowest iteration): the floor, as iterations take under "
+        f"{_number(HANG_FLOOR_S / HANG_FACTOR)} s; assumed: about {_number(iteration_s)} s, 6 x "
+        f"{PARAMETERS / 1e9:.0f}e9 parameters x {tokens:,} tokens over {ref.world_size:,} GPUs at "
+        f"{_number(ASSUMED_GPU_TFLOPS)} TFLOP/s) + rank 0's progress beat {_number(BEAT_S)} + the "
+        f"hook's wait for the ranks' stack reports {_number(COLLECT_S)} s; not measured at scale"))
+    f["hang_stop"] = Figure(STOP_ESCALATION_S, "s", (
+        "computed: the hook's patience at each stage, spent in full when a hung rank ignores "
+        "signals (stuck in a driver call): "
+        + " + ".join(f"{stage} {_number(patience)}" for stage, patience in STOP_STAGES_S)
+        + " s; a step that leaves at SIGTERM takes less"))
+    f["hang_recovery"] = Figure(detect_s + STOP_ESCALATION_S + spare_s, "s", (
+        f"computed: hang detected {_number(detect_s)} + step stopped {_number(STOP_ESCALATION_S)} + "
+        f"the restart on a spare {_number(spare_s)} s (the same on the hung nodes when no spare is "
+        f"free; the restart's own failure detection {_number(f['detect'].value)} s is counted too: "
+        f"an upper bound)"))
     return {key: f[key] for key in LABELS}
 
 
 def simulate_defaults(inputs: Inputs = DEFAULT_INPUTS) -> dict[str, Figure]:
-    """``resume simulate``'s stall and restart defaults: ``stall_s``, ``restart_spare_s``,
-    ``restart_requeue_s``."""
+    """``resume simulate``'s stall, restart and hang defaults: ``stall_s``, ``restart_spare_s``,
+    ``restart_requeue_s``, ``hang_detect_s`` (a hang's last progress until its step is gone)."""
     f = figures(inputs)
+    detect, stop = f["hang_detect"].value, f["hang_stop"].value
+    hang = Figure(detect + stop, "s", (
+        f"computed: hang detected {_number(detect)} + step stopped {_number(stop)} s "
+        f"(resume simulate --reference)"))
     return {"stall_s": f["stall_async" if inputs.save == "async" else "stall_sync"],
-            "restart_spare_s": f["restart_spare"], "restart_requeue_s": f["restart_requeue"]}
+            "restart_spare_s": f["restart_spare"], "restart_requeue_s": f["restart_requeue"],
+            "hang_detect_s": hang}
 
 
 def markdown_table(figs: dict[str, Figure]) -> str:

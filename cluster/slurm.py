@@ -158,6 +158,16 @@ class Slurm:
                 return [] if value in ("", "(null)") else parse_nodelist(value)
         raise SlurmError(f"scontrol show job {job_id}: expected a NodeList field, actual none")
 
+    def job_steps(self, job_id: str) -> list[str]:
+        """The job's running srun steps (``JOB.N``; not its batch or extern step)."""
+        out = self.call("squeue", "-h", "-s", "-j", job_id, "-o", "%i")
+        steps = [line.strip() for line in out.splitlines()]
+        return [st for st in steps if st.startswith(f"{job_id}.") and st.split(".", 1)[1].isdigit()]
+
+    def signal_step(self, step: str, sig: str) -> None:
+        """``sig`` to every task of ``step`` (KILL ends a stopped task too)."""
+        self.call("scancel", f"--signal={sig}", step)
+
     def node_states(self, nodes: list[str]) -> dict[str, str]:
         """Node -> state (``idle``, ``allocated``, ``down*``, ``drained``...), lower case."""
         out = self.call("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T")

@@ -33,6 +33,8 @@ def torchrun_env(env: Mapping[str, str]) -> dict[str, str]:
         per_node = match.group(0) if match else ""
     if per_node:
         out["LOCAL_WORLD_SIZE"] = per_node
+    if env.get("SLURMD_NODENAME"):  # the node a hang report names (resume.watchdog)
+        out["RESUME_NODE"] = env["SLURMD_NODENAME"]
     return out
 
 

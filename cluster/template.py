@@ -28,6 +28,8 @@ class SbatchTemplate:
     """Megatron-LM's --exit-signal: the hook asks for the save with it."""
     accept_changes: tuple[str, ...] = ()
     """Passed to the hook (``--accept-change``): the step's ``RESUME_ACCEPT_CHANGES`` at every requeue."""
+    hook_args: tuple[str, ...] = ()
+    """Further ``resume slurm run`` options, as given (hang detection's, the straggler policy's)."""
     python: str = sys.executable
     """The interpreter (and so the environment) the hook runs in: the one writing the script."""
 
@@ -52,7 +54,8 @@ class SbatchTemplate:
                 "--tasks-per-node", str(self.tasks_per_node), "--spares", str(self.spares),
                 "--grace", str(self.grace_s),
                 *(["--exit-signal", self.exit_signal] if self.exit_signal else []),
-                *(a for name in self.accept_changes for a in ("--accept-change", name)), "--", *self.command]
+                *(a for name in self.accept_changes for a in ("--accept-change", name)), *self.hook_args,
+                "--", *self.command]
         lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "",
                  "# The hook is the batch script's main process (exec): it receives USR1/TERM,",
                  "# starts the training step with srun, saves, relaunches on spares, shrinks,",

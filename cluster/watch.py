@@ -8,6 +8,7 @@ save may have made it), unless it was fixed when the run was opened (``fixed_lay
 from __future__ import annotations
 
 from resume.errors import ResumeError
+from resume.manifest import Manifest
 from resume.run import CheckResult, Run, detect_layout
 
 __all__ = ["RunWatcher"]
@@ -44,6 +45,15 @@ class RunWatcher:
         except OSError:  # StorageError included
             return None
         return manifest.step if manifest is not None else None
+
+    def latest_manifest(self) -> Manifest | None:
+        """The newest committed checkpoint's manifest; None when there is none or storage refuses."""
+        try:
+            self._detect_layout()
+            manifest, _ = self.run.find_latest()
+        except (ResumeError, OSError):
+            return None
+        return manifest
 
     def complete_step(self) -> int | None:
         """The newest committed step when its manifest marks the run complete, else None."""

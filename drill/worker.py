@@ -28,6 +28,7 @@ from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosin
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import Coordinator
+from resume import faults
 from resume.checksum import digest_parts
 
 GLOBAL_BATCH = 8
@@ -58,8 +59,29 @@ def build(args: argparse.Namespace, rank: int, world: int):
     adapter = NativeTorchAdapter(ddp, optimizer, scheduler, data)
     coord = Coordinator(args.run, adapter, global_batch=GLOBAL_BATCH, every=args.every, keep=3,
                         total_iterations=args.iterations, seq_len=cfg.seq_len,
-                        config={"seed": args.seed, "model": asdict(cfg)})
+                        config={"seed": args.seed, "model": asdict(cfg)}, async_save=args.async_save)
     return model, ddp, optimizer, scheduler, coord
+
+
+def injected(args: argparse.Namespace) -> bool:
+    """Whether this launch (``RESUME_LAUNCH``, set by the Slurm hook) is the one whose faults fire."""
+    return os.environ.get("RESUME_LAUNCH", "1") == str(args.on_launch)
+
+
+def misbehave(args: argparse.Namespace, coord: Coordinator, rank: int, iteration: int) -> None:
+    """The faults asked for (tests of hang detection): a hang in this rank's own code, a stopped
+    process, a declared long phase."""
+    if injected(args) and rank == args.hang_rank:
+        if iteration == args.hang_at:
+            while True:  # blocked in its own code; the others wait in the next collective
+                time.sleep(3600)
+        if iteration == args.stop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    if injected(args) and iteration == args.crash_once_at and rank == 0:
+        raise RuntimeError(f"drill worker: crashing once at iteration {iteration} (--crash-once-at)")
+    if injected(args) and args.declare and iteration == args.declare[0]:
+        with coord.watchdog.expect(args.declare[1], "evaluation"):
+            time.sleep(args.declare[2])
 
 
 def train(args: argparse.Namespace) -> None:
@@ -73,6 +95,7 @@ def train(args: argparse.Namespace) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if iteration == args.crash_at:
             raise RuntimeError(f"drill worker: crashing at iteration {iteration} as asked (--crash-at)")
+        misbehave(args, coord, rank, iteration)
         if args.sleep:
             time.sleep(args.sleep)
         tokens = batch["tokens"]
@@ -89,6 +112,8 @@ def train(args: argparse.Namespace) -> None:
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.slow_node and os.environ.get("RESUME_NODE") == args.slow_node:
+            time.sleep(args.slow_s)  # a slow host after the gradients' all-reduce (--slow-node)
         coord.update(applied=applied)
         if rank == 0:
             with open(args.trace, "a") as trace:
@@ -149,9 +174,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="Raise at this iteration, every time (a crash loop).")
     parser.add_argument("--linger", type=float, default=0.0,
                         help="Seconds to wait after the run's end before exiting.")
+    parser.add_argument("--on-launch", type=int, default=1,
+                        help="The hook's launch (RESUME_LAUNCH) at which the faults below happen.")
+    parser.add_argument("--hang-rank", type=int, default=-1, help="The rank that hangs or stops.")
+    parser.add_argument("--hang-at", type=int, default=0, help="Block in its own code at this iteration.")
+    parser.add_argument("--stop-at", type=int, default=0, help="SIGSTOP itself at this iteration.")
+    parser.add_argument("--hang-at-start", type=int, default=0, metavar="LAUNCH",
+                        help="At this launch, --hang-rank never joins the rendezvous.")
+    parser.add_argument("--crash-once-at", type=int, default=0, help="Rank 0 raises at this iteration.")
+    parser.add_argument("--fault", default="", help="RESUME_FAULT's spec, armed at that launch only.")
+    parser.add_argument("--declare", type=lambda t: tuple(float(x) for x in t.split(":")), default=None,
+                        metavar="ITER:SECONDS:SLEEP", help="At ITER, declare SECONDS expected and sleep SLEEP.")
+    parser.add_argument("--slow-node", default="", help="The ranks on this node (RESUME_NODE) are slow.")
+    parser.add_argument("--async-save", action="store_true", help="Scheduled saves in the background.")
+    parser.add_argument("--slow-s", type=float, default=0.0, help="Their extra seconds per iteration.")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     _env_from_slurm(os.environ)
+    if injected(args) and args.fault:
+        faults.arm(args.fault)
+    if os.environ.get("RESUME_LAUNCH") == str(args.hang_at_start) and os.environ.get("RANK") == str(args.hang_rank):
+        while True:  # never joins the rendezvous: the others wait in init_process_group
+            time.sleep(3600)
     dist.init_process_group("gloo")
     try:
         train(args)

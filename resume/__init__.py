@@ -30,8 +30,11 @@ from .rng import RngRegistry
 from .run import CheckResult, Run
 from .state import TrainState
 from .storage import open_storage
+from .watchdog import HangBounds, expect, watch_from_start
 
 __version__ = "0.1.0"
+
+watch_from_start()  # under the Slurm hook: hang detection from the process's start (resume.watchdog)
 
 __all__ = [
     "Adapter",
@@ -39,6 +42,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Comm",
     "ContinuityError",
+    "HangBounds",
     "Coordinator",
     "CoordinatorConfig",
     "CorruptCheckpointError",
@@ -64,5 +68,6 @@ __all__ = [
     "UnsafePathError",
     "UsageError",
     "__version__",
+    "expect",
     "open_storage",
 ]

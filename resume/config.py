@@ -10,6 +10,7 @@ from typing import Any
 
 from .errors import UsageError
 from .policy import AtEnd, EveryN, KeepPolicy, OnRequest, OnSignal, SaveFailureTolerance, SavePolicy
+from .watchdog import HangBounds
 
 __all__ = ["CoordinatorConfig", "as_json"]
 
@@ -70,7 +71,14 @@ class CoordinatorConfig:
     the code's value and is recorded in the next manifest (``changes``). The environment's
     ``RESUME_ACCEPT_CHANGES`` (comma-separated) adds to it, for a requeued job."""
 
+    hang: HangBounds | None = None
+    """Hang detection's bounds (``resume.watchdog.HangBounds``: floor, factor, first-time bound,
+    ``enabled``); None: the Slurm hook's (``RESUME_HANG``), else the defaults. Given, they are
+    this process's bounds, the hook's aside (the hook reads them from rank 0's progress)."""
+
     def __post_init__(self) -> None:
+        if self.hang is not None and not isinstance(self.hang, HangBounds):
+            raise UsageError(f"hang: expected a resume.watchdog.HangBounds or None, actual {short_type(self.hang)}")
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise UsageError(f"global_batch: expected a positive integer, actual {self.global_batch!r}")
         if self.lr_lookahead < 2:
@@ -106,6 +114,10 @@ class CoordinatorConfig:
         (tuples, int keys and the like then compare equal to what a manifest holds)."""
         return as_json({"global_batch": self.global_batch, "seq_len": self.seq_len, **(self.config or {})},
                        "config")
+
+
+def short_type(value: Any) -> str:
+    return type(value).__name__
 
 
 def as_json(value: Any, name: str) -> Any:

@@ -43,7 +43,9 @@ from .rng import RngRegistry
 from .run import Run
 from .state import TrainState
 from .storage import open_storage
+from .stragglers import summarize
 from .trigger import SaveTrigger
+from .watchdog import Watchdog, process_watchdog, seconds_or_none
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
@@ -88,6 +90,10 @@ class Coordinator:
         self._in_flight: BackgroundSave | None = None
         # Background collectives run on their own group, never interleaved with training's.
         self._save_coll = Collective(self.comm.fork()) if self.async_save else None
+        self.watchdog: Watchdog = process_watchdog()
+        """This process's hang detection (``resume.watchdog``): ``coord.watchdog.expect(s, what)``
+        declares a long phase; ``settings.hang`` overrides its bounds."""
+        self._progress = self.watchdog.progress
 
         self._open_run(run_url)
 
@@ -105,6 +111,9 @@ class Coordinator:
         self._trigger = SaveTrigger(
             self.comm, ControlArea(self.run, poll_s=self.settings.control_poll_s, clock=self.clock),
             self.settings.save_policy(), handle_signals=self.settings.handle_signals)
+        self.watchdog.attach(self.run.storage, rank=self.rank, world_size=self.comm.world_size,
+                             bounds=self.settings.hang)
+        self.watchdog.start()
 
     # -- public surface ---------------------------------------------------------------
 
@@ -141,17 +150,18 @@ class Coordinator:
         """Load the newest committed checkpoint (or start fresh) and check continuity."""
         # Without a peek() first, the objects are made ready to be loaded into while the
         # checkpoint's files are verified (after a peek() the program may still rebuild them).
-        manifest = self._peeked[0] if self._peeked is not None else self._restorer.choose(prepare=True)
-        self._peeked = None
-        try:
-            if manifest is None:
+        with self.watchdog.phase("restore", measure="restore"):
+            manifest = self._peeked[0] if self._peeked is not None else self._restorer.choose(prepare=True)
+            self._peeked = None
+            try:
+                if manifest is None:
+                    self._restorer.discard_prepared()
+                    self._start_fresh()
+                else:
+                    self._restored(self._restorer.load(manifest, self._expectation_after_load))
+            except BaseException:
                 self._restorer.discard_prepared()
-                self._start_fresh()
-            else:
-                self._restored(self._restorer.load(manifest, self._expectation_after_load))
-        except BaseException:
-            self._restorer.discard_prepared()
-            raise
+                raise
         return self.state
 
     def batches(self) -> Iterator[Any]:
@@ -186,6 +196,7 @@ class Coordinator:
         if self._first_after_restore is not None and applied:
             check_first_update(self.adapter, self._first_after_restore, rank=self.rank)
             self._first_after_restore = None
+        self._progress.progress(self.state.iteration)
         return self._maybe_save_at_boundary()
 
     def save(self, *, blocking: bool = True) -> int:
@@ -207,7 +218,8 @@ class Coordinator:
         faults.set_context(rank=self.rank, step=step)
         commit = StepCommit(self.run, step, lease=self._lease)
         try:
-            return self._save_step(commit, background=self.async_save and not blocking)
+            with self.watchdog.phase("save", measure="save"):
+                return self._save_step(commit, background=self.async_save and not blocking)
         except (ResumeError, OSError) as e:
             self._abandon(commit)
             if isinstance(e, OSError) and not isinstance(e, SaveFailedError | StorageAccessError):
@@ -220,7 +232,8 @@ class Coordinator:
         in_flight = self._in_flight
         if in_flight is None:
             return
-        in_flight.join()
+        with self.watchdog.phase("save"):
+            in_flight.join()
         self._in_flight = None  # only once it has ended: an interrupted wait can wait again
         in_flight.result()
         self.last_committed_step = in_flight.step
@@ -233,6 +246,7 @@ class Coordinator:
             self.maybe_wait_for_save()
         finally:
             self._trigger.close()
+            self.watchdog.close()
             if self._lease is not None:
                 lease, self._lease = self._lease, None
                 try:
@@ -244,6 +258,7 @@ class Coordinator:
 
     def _maybe_save_at_boundary(self) -> bool:
         decision, requests = self._trigger.decide(self.state.iteration)
+        self._progress.synced()
         if not decision.save:
             return False
         # Only a scheduled save runs in the background (an asker waits for the commit), and a
@@ -284,10 +299,11 @@ class Coordinator:
         local: dict[str, Any] = {}
         # Rank 0 alone receives every rank's part and assembles the expectation (None elsewhere:
         # only the manifest needs it); each rank sends its own part, O(1) per rank.
-        expectation = self.coll.gather(lambda: self._rank_part(local, moments=not moments_later),
-                                       f"{commit.url} (counters, RNG and moments)", saving=True,
-                                       combine=lambda parts: Expectation.assemble(
-                                           parts, world_size=self.comm.world_size))
+        assembled = self.coll.gather(lambda: self._rank_part(local, moments=not moments_later),
+                                     f"{commit.url} (counters, RNG and moments)", saving=True,
+                                     combine=lambda parts: (Expectation.assemble(parts, world_size=self.comm.world_size),
+                                                            summarize(parts)))
+        expectation, record["stragglers"] = assembled if assembled is not None else (None, None)
         state = TrainState.from_dict(self.state.to_dict())  # a background commit comes later
         if background:
             # Phase 2a, local: a memory copy of the shards; the loop goes on after it.
@@ -295,6 +311,7 @@ class Coordinator:
                            f"{commit.url} (a copy of the shards)", saving=True)
             manifest_of = self._manifest_of(commit.step, expectation, state, record, started,
                                             stall=self.clock() - started)
+            self._progress.background(True)
             self._in_flight = BackgroundSave.start(
                 commit.step, commit.url, lambda: self._write_staged(commit, local, manifest_of, moments_later),
                 on_failure=lambda: self._abandon(commit))
@@ -326,11 +343,15 @@ class Coordinator:
             raise
         except Exception as e:  # anything else in the commit failed the save
             raise SaveFailedError(f"{commit.url}: commit failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._progress.background(False)
 
     def _rank_part(self, local: dict, *, moments: bool) -> dict:
         """Phase 1 of a save on this rank: its share of the Expectation; its state file, kept in ``local``."""
         self.state.check_invariants(global_batch=self.global_batch)
         part = self._next.expectation_part(moments=moments)
+        # This rank's iteration times since the last save travel with the gather (stragglers).
+        part.update(times=self._progress.take_times(), node=self.watchdog.node)
         rank_state = self._next.rank_state()
         local["rank_file"] = (rank_state_name(self.rank), json.dumps(rank_state, allow_nan=False).encode())
         return part
@@ -374,6 +395,7 @@ class Coordinator:
         self.last_committed_step = self.restored_from = restored.manifest.step
         self._first_after_restore = restored.expected
         self.user = dict(restored.manifest.user)
+        self.watchdog.measured_save_s = seconds_or_none(restored.manifest.timing.get("save_s"))
         self.changes = restored.changes
         self._next.start(self.state.iteration)
         # Rank 0 at WARNING: seen with Python's default logging, once per job; the others at INFO.

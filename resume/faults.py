@@ -21,7 +21,7 @@ the first point reached) or, in tests, with :func:`arm`::
 absent), during the save of step S (any step) and the N-th time it matches
 (the first), do ACTION: ``kill`` (SIGKILL this process: a dead node), ``raise``
 (:class:`InjectedFault`), ``enospc`` or ``eio`` (the ``OSError`` a full or
-failing disk raises). Several faults are separated by ``;``. Unarmed, a point
+failing disk raises), ``hang`` (block there for good: a storage call that never returns). Several faults are separated by ``;``. Unarmed, a point
 costs one comparison. At ``save.before_shards`` and ``save.after_gather`` (the
 edge of a collective) an error other than ``kill`` is armed on every rank
 (no ``rank=``); rank-0 points take no other rank.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from .errors import InjectedFault
@@ -52,7 +53,7 @@ POINTS = (
 )
 RANK0_POINTS = frozenset({"save.before_manifest", "save.after_manifest", "save.after_latest",
                           "retention.mid_delete"})
-ACTIONS = ("kill", "raise", "enospc", "eio")
+ACTIONS = ("kill", "raise", "enospc", "eio", "hang")
 COLLECTIVE_EDGE = frozenset({"save.before_shards", "save.after_gather"})
 """Points right before a collective: an error there must happen on every rank or none."""
 
@@ -160,4 +161,7 @@ def _fire(fault: Fault) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {where})")
     if fault.action == "eio":
         raise OSError(errno.EIO, f"Input/output error (injected at {where})")
+    if fault.action == "hang":
+        while True:  # a storage call that never returns
+            time.sleep(3600)
     raise InjectedFault(f"injected fault at {where}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .state import TrainState
+from .stragglers import check_stragglers
 from .text import short
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "FileEntry", "Manifest", "check_relative_path"]
@@ -61,6 +62,9 @@ class Manifest:
     complete: bool = False
     """The run's last checkpoint: saved at ``total_iterations`` (the run is done; the Slurm hook
     does not requeue it)."""
+    stragglers: dict[str, Any] | None = None
+    """The slowest ranks and nodes since the previous save (``resume.stragglers.summarize``:
+    ranks, median_s, slowest, nodes); None when nothing was measured (and in older manifests)."""
 
     def to_json(self) -> str:
         body = {
@@ -79,6 +83,8 @@ class Manifest:
             "changes": self.changes,
             "complete": self.complete,
         }
+        if self.stragglers is not None:  # absent when not measured: older readers see no change
+            body["stragglers"] = self.stragglers
         return _two_levels(body)
 
     @property
@@ -114,6 +120,7 @@ class Manifest:
             user=body.get("user", {}),
             changes=changes,
             complete=complete,
+            stragglers=check_stragglers(body.get("stragglers"), source),
         )
 
 

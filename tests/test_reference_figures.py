@@ -56,6 +56,7 @@ def test_stalls_and_restarts_are_the_sums_of_their_parts():
     assert f["restart_spare"].value == pytest.approx(spare)
     assert f["restart_requeue"].value == pytest.approx(
         spare + f["requeue_hold"].value + f["scheduling"].value + DEFAULT_INPUTS.queue_wait_s)
+    assert f["hang_recovery"].value == pytest.approx(f["hang_detect"].value + f["hang_stop"].value + spare)
     assert figures(Inputs(queue_wait_s=0))["restart_requeue"].value == pytest.approx(
         f["restart_requeue"].value - DEFAULT_INPUTS.queue_wait_s)
 
@@ -68,14 +69,15 @@ def test_every_figure_says_where_it_came_from():
         assert kind and len(fig.source) > len(kind) + 10, (key, fig.source)
     assert all(f[k].source.startswith("measured: ") for k in ("save_control_plane", "dcp_plan", "metadata"))
     assert all(f[k].source.startswith("assumed: ") for k in ("fs_bandwidth", "d2h", "queue_wait"))
+    assert all(f[k].source.startswith("computed: ") for k in ("hang_detect", "hang_stop", "hang_recovery"))
     # An input the user changed is not an assumption any more.
     assert figures(Inputs(fs_bandwidth_gbs=250))["fs_bandwidth"].source == "given: --fs-bandwidth-gbs"
 
 
 def test_the_simulation_model_defaults_to_the_computed_figures():
     d, a = simulate_defaults(), Assumptions()
-    assert (a.stall_s, a.restart_spare_s, a.restart_requeue_s) == (
-        d["stall_s"].value, d["restart_spare_s"].value, d["restart_requeue_s"].value)
+    assert (a.stall_s, a.restart_spare_s, a.restart_requeue_s, a.hang_detect_s) == (
+        d["stall_s"].value, d["restart_spare_s"].value, d["restart_requeue_s"].value, d["hang_detect_s"].value)
     assert d["stall_s"] == figures()["stall_async"]
     assert simulate_defaults(Inputs(save="sync"))["stall_s"] == figures()["stall_sync"]
 

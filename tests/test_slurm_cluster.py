@@ -90,7 +90,7 @@ def events(run: str) -> list[dict]:
 
 
 def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = (), nodes_per_replica: int = 1,
-           tasks_per_node: int = 1) -> tuple[str, dict]:
+           tasks_per_node: int = 1, hook_args: tuple[str, ...] = ()) -> tuple[str, dict]:
     run = str(tmp_path / "run")
     paths = {"run": run, "trace": str(tmp_path / "trace.jsonl"), "final": str(tmp_path / "final.json"),
              "out": str(tmp_path / "job.out")}
@@ -102,7 +102,7 @@ def submit(tmp_path, *, nodes: int, spares: int = 0, extra: tuple[str, ...] = ()
     sh(sys.executable, "-m", "resume.cli", "slurm", "template", "--run", run, "--nodes", str(nodes),
        "--spares", str(spares), "--global-batch", "8", "--grace", "60", "--output", paths["out"],
        "--nodes-per-replica", str(nodes_per_replica), "--tasks-per-node", str(tasks_per_node),
-       "--out", str(script), "--", *worker)
+       "--out", str(script), *hook_args, "--", *worker)
     job_id = sh("sbatch", "--parsable", str(script)).strip().split(";")[0]
     return job_id, paths
 
@@ -324,3 +324,130 @@ def test_a_script_calling_init_process_group_with_no_arguments_runs_under_the_ho
         assert (s["rank"], s["world"], s["RANK"], s["WORLD_SIZE"]) == (r, 4, str(r), "4")
         assert s["LOCAL_WORLD_SIZE"] == "2" and s["NNODES"] == "2" and s["RESUME_DP"] == "2"
     assert sorted((s["NODE_RANK"], s["LOCAL_RANK"]) for s in seen) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
+# -- hangs and stragglers (resume.watchdog, cluster/hangs.py) ----------------------------------
+
+HANG = ("--hang-floor", "3", "--hang-factor", "2", "--hang-first", "60", "--hang-collect", "10")
+"""Short bounds for the tests: 3 s floor (an iteration takes about 0.2 s), 60 s before anything
+was measured (a process's start-up here), 10 s for the ranks' reports."""
+
+
+def submit_watched(tmp_path, *, nodes: int, spares: int = 0, worker: tuple[str, ...] = (),
+                   hook: tuple[str, ...] = HANG) -> tuple[str, dict]:
+    """``submit`` with the hook's hang options (they go before the ``--`` of the launch command)."""
+    return submit(tmp_path, nodes=nodes, spares=spares, extra=worker, hook_args=hook)
+
+
+def hang_of(paths: dict) -> dict:
+    evs = events(paths["run"])
+    hangs = [e for e in evs if e["event"] == "hang"]
+    assert len(hangs) == 1, ([e["event"] for e in evs], debug(paths))
+    return hangs[0]
+
+
+def stacks_of(paths: dict, hang: dict, rank: int) -> str:
+    where = hang["stacks"].removeprefix("file://")
+    with open(os.path.join(where, f"rank-{rank}.txt")) as f:
+        return f.read()
+
+
+def assert_finished_like_the_reference(paths: dict, fields: dict, reference, ranks: int = 2) -> None:
+    assert fields["JobState"] == "COMPLETED", (fields, debug(paths))
+    ref = reference(ranks=ranks)
+    with open(paths["final"]) as f:
+        final = json.load(f)
+    assert final["params"] == ref["final"]["params"] and final["moments"] == ref["final"]["moments"]
+    assert final["counters"] == ref["final"]["counters"]
+
+
+def assert_relaunched_without(paths: dict, node: str) -> None:
+    evs = events(paths["run"])
+    assert any(e["event"] == "hung_node_excluded" and e["nodes"] == [node] for e in evs), debug(paths)
+    last = [e for e in evs if e["event"] == "launch"][-1]
+    assert node not in last["nodes"] and len(last["nodes"]) == 2, last
+
+
+def test_a_rank_blocked_in_its_own_code_is_named_and_its_node_replaced_by_the_spare(cluster, tmp_path, reference):
+    job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, worker=("--hang-rank", "1", "--hang-at", "12"))
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    hang = hang_of(paths)
+    assert hang["phase"] == "iteration" and hang["suspects"] == [1], hang
+    assert hang["quiet_s"] <= hang["bound_s"] + 10, hang  # within the bound (+ a beat, a tick, a poll)
+    assert "not waiting" in hang["reason"] and hang["reports"] == 2
+    blocked, waiting = stacks_of(paths, hang, 1), stacks_of(paths, hang, 0)
+    assert "in misbehave" in blocked and "MainThread" in blocked and "resume-watchdog" in blocked
+    assert "torch/distributed" in waiting.split("--- thread MainThread")[1].split("--- thread")[0] \
+        or "torch/autograd" in waiting
+    launch = next(e for e in events(paths["run"]) if e["event"] == "launch")
+    assert hang["suspect_nodes"] == [launch["nodes"][1]]
+    assert_relaunched_without(paths, launch["nodes"][1])
+    assert_finished_like_the_reference(paths, fields, reference)
+
+
+def test_a_stopped_rank_is_named_by_its_silence_and_the_step_still_ends(cluster, tmp_path, reference):
+    job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, worker=("--hang-rank", "1", "--stop-at", "12"))
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    hang = hang_of(paths)
+    assert hang["suspects"] == [1] and "did not answer" in hang["reason"], hang
+    assert hang["reports"] == 1  # rank 0's; the stopped one cannot write
+    kinds = [e["event"] for e in events(paths["run"])]
+    assert "step_unkillable" not in kinds and "step_ended" in kinds
+    launch = next(e for e in events(paths["run"]) if e["event"] == "launch")
+    assert_relaunched_without(paths, launch["nodes"][1])
+    assert_finished_like_the_reference(paths, fields, reference)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rank_blocked_in_a_saves_storage_write_is_named(cluster, tmp_path, reference, mode):
+    worker = ("--fault", "save.mid_shards:hang rank=1 step=10", *(("--async-save",) if mode == "async" else ()))
+    job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, worker=worker)
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    hang = hang_of(paths)
+    assert hang["phase"] == ("save" if mode == "sync" else "save-background"), hang
+    assert hang["suspects"] == [1], hang
+    assert "resume/faults.py" in stacks_of(paths, hang, 1)
+    assert_finished_like_the_reference(paths, fields, reference)
+
+
+def test_a_rank_that_never_joins_the_rendezvous_at_a_restart_is_named(cluster, tmp_path, reference):
+    # Launch 1 crashes once (a restart); at launch 2 rank 1 never calls init_process_group.
+    worker = ("--crash-once-at", "12", "--hang-rank", "1", "--hang-at-start", "2")
+    job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, worker=worker)
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    hang = hang_of(paths)
+    assert hang["phase"] == "start-up" and hang["suspects"] == [1], hang
+    launches = [e for e in events(paths["run"]) if e["event"] == "launch"]
+    assert len(launches) == 3
+    assert_relaunched_without(paths, launches[1]["nodes"][1])
+    assert_finished_like_the_reference(paths, fields, reference)
+
+
+def test_a_declared_long_phase_longer_than_the_iteration_bound_is_not_a_hang(cluster, tmp_path, reference):
+    # At iteration 12 every rank declares 20 s expected and takes 8 s: more than the 3 s bound.
+    job_id, paths = submit_watched(tmp_path, nodes=2, worker=("--declare", "12:20:8"))
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    kinds = [e["event"] for e in events(paths["run"])]
+    assert "hang" not in kinds and kinds.count("launch") == 1, (kinds, debug(paths))
+    assert fields["Restarts"] == "0"
+    assert_finished_like_the_reference(paths, fields, reference)
+
+
+def test_a_straggler_node_is_named_and_replaced_by_the_spare_at_a_checkpoint(cluster, tmp_path, reference):
+    # n2 (rank 1's node at the first launch) is slow after the gradients' all-reduce.
+    hook = (*HANG, "--replace-stragglers", "1.5", "--straggler-saves", "2")
+    job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, hook=hook,
+                                   worker=("--slow-node", "n2", "--slow-s", "0.3"))
+    fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
+    evs = events(paths["run"])
+    named = [e for e in evs if e["event"] == "stragglers"]
+    assert named and named[0]["nodes"][0]["node"] == "n2" and named[0]["nodes"][0]["factor"] > 1.5, named[:1]
+    replaced = [e for e in evs if e["event"] == "straggler_replaced"]
+    assert replaced and replaced[0]["nodes"] == ["n2"], ([e["event"] for e in evs], debug(paths))
+    assert "n2" not in [e for e in evs if e["event"] == "launch"][-1]["nodes"]
+    step = replaced[0]["committed_step"]
+    manifest = json.load(open(os.path.join(paths["run"], f"step-{step:09d}", "manifest.json")))
+    assert manifest["stragglers"]["slowest"][0]["node"] == "n2"
+    out = sh(sys.executable, "-m", "resume.cli", "inspect", paths["run"], "--step", str(step))
+    assert "stragglers" in out and "n2" in out
+    assert_finished_like_the_reference(paths, fields, reference)

@@ -109,6 +109,12 @@ def print_layout(layout: Layout, interval_s: float, yd: float, recommended: int)
               help="Detect, relaunch on a spare, restore [default: the reference run's, computed].")
 @click.option("--restart-requeue-s", type=float, default=None,
               help="Requeue, wait in the queue, start, restore [default: the reference run's, computed].")
+@click.option("--hang-rate-per-node-day", type=float, default=None,
+              help="Hangs per node per day (a rank stops making progress without dying), on top of the "
+                   "failures [default: assumed, a tenth of Llama 3's interruption rate per node].")
+@click.option("--hang-detect-s", type=float, default=None,
+              help="Nothing trains from a hang until its step is gone: the watchdog's bound, the stack "
+                   "reports, the stop; the restart follows [default: the reference run's, computed].")
 @click.option("--fs-bandwidth-gbs", type=float, default=DEFAULT_INPUTS.fs_bandwidth_gbs, show_default=True,
               help="Shared file system bandwidth, aggregate, GB/s (assumed): the reference run's bulk "
                    "write and read times.")
@@ -137,17 +143,19 @@ def print_layout(layout: Layout, interval_s: float, yd: float, recommended: int)
 @command
 def simulate(nodes: int, spares: int, node_mtbf_hours: float | None, distribution: str,
              weibull_shape: float, stall_s: float | None, restart_spare_s: float | None,
-             restart_requeue_s: float | None, fs_bandwidth_gbs: float, d2h_gbs: float,
+             restart_requeue_s: float | None, hang_rate_per_node_day: float | None,
+             hang_detect_s: float | None, fs_bandwidth_gbs: float, d2h_gbs: float,
              queue_wait_s: float, save_mode: str, reference: bool, repair_hours: float, no_spare: str,
              shrink_factor: float, time_limit_hours: float, days: float, seed: int, as_json: bool) -> int:
-    """Simulate failures of a long run: goodput, work lost, best checkpoint interval, spares.
+    """Simulate failures and hangs of a long run: goodput, work lost, best checkpoint interval, spares.
 
-    The stall and restart times default to the reference run's (640 nodes, 500B parameters):
-    its measured control plane, the assumed inputs below, and their sums; the output says
-    where each came from. --reference prints every figure with its source.
+    The stall, restart and hang detection times default to the reference run's (640 nodes, 500B
+    parameters): its measured control plane, the assumed inputs below, and their sums; the
+    hang rate is assumed. The output says where each came from. --reference prints every
+    figure with its source.
     """
     from ..cluster.reference import Inputs, figures, markdown_table, simulate_defaults
-    from ..cluster.simulate import Assumptions, report
+    from ..cluster.simulate import HANG_RATE_SOURCE, Assumptions, report
 
     inputs = Inputs(fs_bandwidth_gbs=fs_bandwidth_gbs, d2h_gbs=d2h_gbs, queue_wait_s=queue_wait_s,
                     save=save_mode)
@@ -158,11 +166,15 @@ def simulate(nodes: int, spares: int, node_mtbf_hours: float | None, distributio
         else:
             click.echo(markdown_table(figs))
         return EXIT_OK
-    given = {"stall_s": stall_s, "restart_spare_s": restart_spare_s, "restart_requeue_s": restart_requeue_s}
+    given = {"stall_s": stall_s, "restart_spare_s": restart_spare_s, "restart_requeue_s": restart_requeue_s,
+             "hang_detect_s": hang_detect_s}
     computed = simulate_defaults(inputs)
     times = {name: computed[name].value if value is None else value for name, value in given.items()}
     sources = {name: computed[name].source if value is None else "given" for name, value in given.items()}
+    sources["hang_rate_per_node_day"] = HANG_RATE_SOURCE if hang_rate_per_node_day is None else "given"
     kwargs = {} if node_mtbf_hours is None else {"node_mtbf_s": node_mtbf_hours * 3600}
+    if hang_rate_per_node_day is not None:
+        kwargs["hang_rate_per_node_day"] = hang_rate_per_node_day
     a = Assumptions(nodes=nodes, spares=spares, distribution=distribution, weibull_shape=weibull_shape,
                     repair_s=repair_hours * 3600, no_spare=no_spare, shrink_factor=shrink_factor,
                     requeue_every_s=time_limit_hours * 3600, days=days, seed=seed, **times, **kwargs)
@@ -179,14 +191,17 @@ def print_simulation(r: dict[str, Any], sources: dict[str, str], *, nodes: int, 
     click.echo("assumptions:")
     for key, value in r["assumptions"].items():
         click.echo(f"  {key:<18} {value:.6g}" if isinstance(value, float) else f"  {key:<18} {value}")
-    click.echo("where the stall and restart times came from (resume simulate --reference):")
+    click.echo("where the stall, restart and hang figures came from (resume simulate --reference):")
     for key, source in sources.items():
         click.echo(f"  {key:<18} {source}")
-    click.echo(f"  {'job MTBF':<18} {r['system_mtbf_s'] / 3600:.2f} h ({nodes} nodes)")
-    click.echo(f"result over {days:g} days ({r['failures']} failures on average):")
+    click.echo(f"  {'job MTBF':<18} {r['system_mtbf_s'] / 3600:.2f} h ({nodes} nodes); with hangs "
+               f"{r['interruption_mtbf_s'] / 3600:.2f} h (Young/Daly's MTBF)")
+    click.echo(f"result over {days:g} days ({r['failures']} failures, {r['hangs']} hangs on average):")
     click.echo(f"  goodput            {r['goodput']:.4f}")
     click.echo(f"  best interval      {r['best_interval_s']:.0f} s  (Young/Daly sqrt(2*C*MTBF) = "
                f"{r['young_daly_interval_s']:.0f} s, ratio {r['interval_ratio']:.2f})")
     click.echo(f"  work lost          {r['work_lost_hours']:.1f} h; restarts {r['restart_hours']:.1f} h; "
                f"checkpoint stalls {r['stall_hours']:.1f} h")
+    click.echo(f"  hangs              {r['hangs']}; hang detection {r['hang_detect_hours']:.1f} h lost "
+               f"(nothing trains until the hung step is gone, then a restart)")
     click.echo(f"  recommended spares {r['recommended_spares']} (best goodput per allocated node)")

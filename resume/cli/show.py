@@ -13,6 +13,7 @@ import click
 from ..lease import Holder
 from ..manifest import Manifest
 from ..run import CheckResult, Run
+from ..stragglers import describe
 from ..verify import Verdict
 from .common import emit_json
 
@@ -172,6 +173,8 @@ def _manifest_header(run: Run, m: Manifest) -> None:
     click.echo(f"  topology      {json.dumps(m.topology, sort_keys=True)}")
     click.echo(f"  user          {json.dumps(m.user, sort_keys=True) if m.user else 'none'}")
     click.echo("  complete      " + ("yes (the run's last checkpoint)" if m.complete else "no"))
+    if m.stragglers is not None:  # measured since the previous save (resume.stragglers)
+        click.echo(f"  stragglers    {describe(m.stragglers)}")
     click.echo(f"  changes       {len(m.changes) or 'none'}")
     for change in m.changes:
         item = change["item"] if change["item"].isprintable() else shown(change["item"])

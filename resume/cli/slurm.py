@@ -11,6 +11,7 @@ import click
 
 from ..errors import EXIT_OK, ResumeError, UsageError
 from ..run import Run
+from ..watchdog import FIRST_BOUND_S, HANG_FACTOR, HANG_FLOOR_S, HangBounds
 from .common import command
 
 __all__ = ["slurm"]
@@ -56,6 +57,53 @@ exit_signal_option = click.option(
          "e.g. SIGTERM) instead of a save request; the hook waits for the committed manifest.")
 
 
+def hang_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Hang detection's and the straggler policy's options (``resume.watchdog``, docs/slurm.md)."""
+    for option in reversed([
+        click.option("--hang-floor", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
+                     help=f"No phase's hang bound is below S seconds [default: {HANG_FLOOR_S:g}]."),
+        click.option("--hang-factor", type=click.FloatRange(min=1), default=None, metavar="F",
+                     help=f"A phase's bound is F x the slowest of its kind measured [default: {HANG_FACTOR:g}]."),
+        click.option("--hang-first", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
+                     help=f"The bound of a phase nothing measured yet: start-up, first restore, save, "
+                          f"iteration [default: {FIRST_BOUND_S:g}]."),
+        click.option("--hang-collect", type=click.FloatRange(min=0), default=None, metavar="S",
+                     help="After a hang, how long to wait for every rank's stacks [default: 30]."),
+        click.option("--no-hang-detection", is_flag=True, default=False,
+                     help="Do not watch for hangs (a hung step then runs until the time limit)."),
+        click.option("--replace-stragglers", type=float, default=None, metavar="FACTOR",
+                     help="Replace a node that is the slowest by more than FACTOR x the median "
+                          "iteration time at --straggler-saves checkpoints in a row, when a spare is free "
+                          "[default: off]."),
+        click.option("--straggler-saves", type=int, default=3, show_default=True, metavar="K"),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def hang_config(hang: dict[str, Any]) -> dict[str, Any]:
+    """HookConfig's fields from ``hang_options``' values."""
+    bounds = HangBounds().merged(floor_s=hang["hang_floor"], factor=hang["hang_factor"],
+                                 first_s=hang["hang_first"],
+                                 enabled=False if hang["no_hang_detection"] else None)
+    from ..cluster.hangs import COLLECT_S
+
+    return {"hang": bounds, "hang_collect_s": COLLECT_S if hang["hang_collect"] is None else hang["hang_collect"],
+            "straggler_factor": hang["replace_stragglers"], "straggler_saves": hang["straggler_saves"]}
+
+
+def hang_args(hang: dict[str, Any]) -> tuple[str, ...]:
+    """``hang_options``' values given, as the script's ``resume slurm run`` options."""
+    args: list[str] = []
+    for name, value in hang.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value not in (None, False) and not (name == "straggler_saves" and value == 3):
+            args += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return tuple(args)
+
+
 launch_command = click.argument("command_args", nargs=-1, type=click.UNPROCESSED, required=True,
                                 metavar="-- COMMAND...")
 """The training step's launch command, after ``--``."""
@@ -70,11 +118,13 @@ launch_command = click.argument("command_args", nargs=-1, type=click.UNPROCESSED
                    "[default: wait for the save as long as measured saves need].")
 @exit_signal_option
 @accept_change_option
+@hang_options
 @launch_command
 @command
 def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
               tasks_per_node: int, spares: int, crash_loop: int, grace: float | None,
-              exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...]) -> int:
+              exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...],
+              **hang: Any) -> int:
     """Start the training step with srun and supervise it (the batch script's main process)."""
     from ..cluster.hook import HookConfig, Supervisor
     from ..cluster.slurm import Slurm, SlurmJob
@@ -83,7 +133,7 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
     cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
                      micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
                      tasks_per_node=tasks_per_node, spares=spares, crash_loop=crash_loop, grace_s=grace,
-                     exit_signal=exit_signal, accept_changes=accept_changes)
+                     exit_signal=exit_signal, accept_changes=accept_changes, **hang_config(hang))
     job = SlurmJob.from_env(os.environ)
     cluster = Slurm()
     cluster.check_installed()
@@ -103,12 +153,14 @@ def slurm_run(run_url: str, global_batch: int, micro_batch: int, nodes_per_repli
               help="Write the script here instead of printing it.")
 @exit_signal_option
 @accept_change_option
+@hang_options
 @launch_command
 @command
 def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replica: int,
              tasks_per_node: int, spares: int, nodes: int, grace: int | None, time_limit: str | None,
              partition: str | None, job_name: str, output: str, out_file: str | None,
-             exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...]) -> int:
+             exit_signal: str | None, accept_changes: tuple[str, ...], command_args: tuple[str, ...],
+             **hang: Any) -> int:
     """Write a ready sbatch script: --requeue, --no-kill, --signal=B:USR1@GRACE, the hook
     (with its --exit-signal and --accept-change options)."""
     from ..cluster.hook import HookConfig
@@ -118,7 +170,7 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
     cfg = HookConfig(run_url=run_url, command=list(command_args), global_batch=global_batch,
                      micro_batch=micro_batch, nodes_per_replica=nodes_per_replica,
                      tasks_per_node=tasks_per_node, spares=spares, exit_signal=exit_signal,
-                     accept_changes=accept_changes)
+                     accept_changes=accept_changes, **hang_config(hang))
     if nodes < nodes_per_replica + spares:
         raise UsageError(f"--nodes: expected at least {nodes_per_replica + spares} "
                          f"({nodes_per_replica} per replica + {spares} spares), actual {nodes}")
@@ -134,7 +186,7 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
                             spares=spares, grace_s=grace_s,
                             job_name=job_name, time=time_limit, partition=partition,
                             output=output, exit_signal=exit_signal,
-                            accept_changes=cfg.accept_changes).render()
+                            accept_changes=cfg.accept_changes, hook_args=hang_args(hang)).render()
     if out_file:
         with open(out_file, "w") as f:
             f.write(script)
