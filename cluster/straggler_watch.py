@@ -2,16 +2,15 @@
 (``resume.stragglers``, gathered with the save) as an event, and, when ``--replace-stragglers``
 is on, the node ``StragglerPolicy`` chooses to replace.
 
-Invariant: one look at the newest committed checkpoint at most every ``every_s`` (discovery
-through the run's one commit check); the history is this allocation's only.
+Invariant: one look at the committed checkpoints newer than the last seen at most every
+``every_s`` (discovery through the run's one commit check: the newer step directories only);
+every checkpoint counts once; the history is this allocation's only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from resume.stragglers import StragglerPolicy
+from resume.stragglers import StragglerPolicy, describe
 
 from .events import EventLog
 from .watch import RunWatcher
@@ -21,7 +20,7 @@ __all__ = ["StragglerWatch"]
 
 class StragglerWatch:
     def __init__(self, watch: RunWatcher, factor: float | None, saves: int, log: EventLog, *,
-                 every_s: float = 10.0) -> None:
+                 every_s: float = 2.0) -> None:
         self.watch = watch
         self.policy = StragglerPolicy(factor=factor, saves=saves) if factor is not None else None
         self.log = log
@@ -35,21 +34,16 @@ class StragglerWatch:
         """True when the policy chose a node to replace (``chosen``) and a spare is free."""
         if self._next_look is not None and now < self._next_look:
             return False
+        first = self._next_look is None
         self._next_look = now + self.every_s
-        manifest = self.watch.latest_manifest()
-        if manifest is None or manifest.step == self._last_step:
+        new = self.watch.committed_since(self._last_step, limit=1 if first else 16)
+        if not new:
             return False
-        first = self._last_step is None
-        self._last_step = manifest.step
-        record: Any = getattr(manifest, "stragglers", None)
+        self._last_step = new[-1].step
         if first:
-            return False  # a checkpoint of an earlier launch: not this allocation's history
-        self.history.append(record)
-        if record:
-            slowest = record["slowest"][0]
-            self.log.event("stragglers", step=manifest.step, slowest=record["slowest"], nodes=record["nodes"],
-                           reason=f"slowest rank {slowest['rank']} on {slowest['node']}: "
-                                  f"x{slowest['factor']} the median iteration time")
+            return False  # checkpoints of earlier launches: not this allocation's history
+        for manifest in new:
+            self._record(manifest.step, manifest.stragglers)
         if self.policy is None:
             return False
         node = self.policy.decide(self.history)
@@ -57,6 +51,13 @@ class StragglerWatch:
             self.chosen = node
             return True
         return False
+
+    def _record(self, step: int, record: dict | None) -> None:
+        self.history.append(record)
+        del self.history[:-64]
+        if record:
+            self.log.event("stragglers", step=step, slowest=record["slowest"], nodes=record["nodes"],
+                           reason=describe(record))
 
     def reset(self) -> None:
         self.history.clear()

@@ -13,6 +13,8 @@ import re
 import sys
 from collections.abc import Mapping
 
+from resume.watchdog import TASK_PID_ENV
+
 __all__ = ["TORCHRUN_FROM_SLURM", "main", "torchrun_env"]
 
 TORCHRUN_FROM_SLURM = {
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("resume: error: resume.cluster.task: expected -- COMMAND..., actual no command", file=sys.stderr)
         return 2
     os.environ.update(torchrun_env(os.environ))
+    os.environ[TASK_PID_ENV] = str(os.getpid())  # exec keeps the pid: the watched task (resume.watchdog)
     try:
         os.execvp(args[0], args)
     except OSError as e:

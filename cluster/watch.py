@@ -46,14 +46,20 @@ class RunWatcher:
             return None
         return manifest.step if manifest is not None else None
 
-    def latest_manifest(self) -> Manifest | None:
-        """The newest committed checkpoint's manifest; None when there is none or storage refuses."""
+    def committed_since(self, step: int | None, *, limit: int = 16) -> list[Manifest]:
+        """The manifests of the committed steps after ``step`` (all of them when None), oldest
+        first, at most the newest ``limit``; [] when storage refuses (the next look tries again)."""
         try:
             self._detect_layout()
-            manifest, _ = self.run.find_latest()
+            found: list[Manifest] = []
+            for result in self.run.discover(above=step):  # newest first: older ones are not read
+                if result.committed and result.manifest is not None:
+                    found.append(result.manifest)
+                    if len(found) >= limit:
+                        break
         except (ResumeError, OSError):
-            return None
-        return manifest
+            return []
+        return list(reversed(found))
 
     def complete_step(self) -> int | None:
         """The newest committed step when its manifest marks the run complete, else None."""

@@ -42,8 +42,8 @@ from .errors import UsageError
 from .text import clip
 
 __all__ = ["FIRST_BOUND_S", "HANGS", "HANG_ENV", "HANG_FACTOR", "HANG_FLOOR_S", "PROGRESS", "REPORT_CAP",
-           "RUN_ENV", "LAUNCH_ENV", "NODE_ENV", "NOT_WAITING_IN", "WAITING_IN",
-           "HangBounds", "Progress", "Watchdog", "expect", "process_watchdog", "report_path", "seconds_or_none",
+           "RUN_ENV", "LAUNCH_ENV", "NODE_ENV", "TASK_PID_ENV", "NOT_WAITING_IN", "WAITING_IN",
+           "Declared", "HangBounds", "Progress", "Watchdog", "expect", "process_watchdog", "report_path", "seconds_or_none",
            "watch_from_start"]
 
 log = logging.getLogger("resume")
@@ -63,6 +63,8 @@ HANG_ENV = "RESUME_HANG"
 RUN_ENV = "RESUME_HANG_RUN"
 """The run whose ``cluster/`` area receives the reports (set by the hook)."""
 LAUNCH_ENV = "RESUME_LAUNCH"
+TASK_PID_ENV = "RESUME_TASK_PID"
+"""The pid of the task srun started (``cluster/task.py``): only it is watched from its start."""
 NODE_ENV = "RESUME_NODE"
 PROGRESS = "cluster/progress.json"
 HANGS = "cluster/hangs"
@@ -243,6 +245,17 @@ class Progress:
                 "max_s": round(ordered[-1], 6)}
 
 
+class Declared(contextlib.AbstractContextManager):
+    """A declared long phase; its ``with`` block's end goes back to the phase before."""
+
+    def __init__(self, progress: Progress, token: tuple) -> None:
+        self.progress = progress
+        self.token = token
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.leave(self.token)
+
+
 class Watchdog:
     """One rank's watchdog thread over its ``Progress``; see the module's docstring."""
 
@@ -312,12 +325,7 @@ class Watchdog:
         if not (isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0):
             raise UsageError(f"expect: seconds: expected a number > 0, actual {seconds!r}")
         token = self.progress.enter("declared", what=what, bound=max(float(seconds), self.bounds.floor_s))
-        progress = self.progress
-
-        class _Declared(contextlib.AbstractContextManager):
-            def __exit__(self, *exc: object) -> None:
-                progress.leave(token)
-        return _Declared()
+        return Declared(self.progress, token)
 
     def close(self) -> None:
         self.progress.enter("closed")
@@ -504,9 +512,13 @@ def process_watchdog(env: Mapping[str, str] | None = None) -> Watchdog:
 
 
 def watch_from_start(env: Mapping[str, str] | None = None) -> None:
-    """Start this process's watchdog now when the hook named the run (``RESUME_HANG_RUN``): a
-    program that hangs before it builds its Coordinator (in the rendezvous) is watched too."""
-    if (os.environ if env is None else env).get(RUN_ENV):
+    """Start this process's watchdog now when the hook named the run (``RESUME_HANG_RUN``) and this
+    is the task srun started (``RESUME_TASK_PID``, kept across the task's exec): a program that
+    hangs before its Coordinator exists (in the rendezvous) is watched too. Its children (data
+    loader workers spawned anew import ``resume`` too) are not: they make no progress of their own."""
+    env = os.environ if env is None else env
+    task = env.get(TASK_PID_ENV)
+    if env.get(RUN_ENV) and (task is None or task == str(os.getpid())):
         process_watchdog(env)
 
 

@@ -328,9 +328,10 @@ def test_a_script_calling_init_process_group_with_no_arguments_runs_under_the_ho
 
 # -- hangs and stragglers (resume.watchdog, cluster/hangs.py) ----------------------------------
 
-HANG = ("--hang-floor", "3", "--hang-factor", "2", "--hang-first", "60", "--hang-collect", "10")
-"""Short bounds for the tests: 3 s floor (an iteration takes about 0.2 s), 60 s before anything
-was measured (a process's start-up here), 10 s for the ranks' reports."""
+HANG = ("--hang-floor", "5", "--hang-factor", "2", "--hang-first", "60", "--hang-collect", "10")
+"""Short bounds for the tests: 5 s floor (an iteration takes about 0.2 s, a save under 1 s, also
+with the rest of the suite on the machine), 60 s before anything was measured (a process's
+start-up here), 10 s for the ranks' reports."""
 
 
 def submit_watched(tmp_path, *, nodes: int, spares: int = 0, worker: tuple[str, ...] = (),
@@ -424,8 +425,8 @@ def test_a_rank_that_never_joins_the_rendezvous_at_a_restart_is_named(cluster, t
 
 
 def test_a_declared_long_phase_longer_than_the_iteration_bound_is_not_a_hang(cluster, tmp_path, reference):
-    # At iteration 12 every rank declares 20 s expected and takes 8 s: more than the 3 s bound.
-    job_id, paths = submit_watched(tmp_path, nodes=2, worker=("--declare", "12:20:8"))
+    # At iteration 12 every rank declares 30 s expected and takes 15 s: three times the 5 s bound.
+    job_id, paths = submit_watched(tmp_path, nodes=2, worker=("--declare", "12:30:15"))
     fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
     kinds = [e["event"] for e in events(paths["run"])]
     assert "hang" not in kinds and kinds.count("launch") == 1, (kinds, debug(paths))
@@ -434,20 +435,20 @@ def test_a_declared_long_phase_longer_than_the_iteration_bound_is_not_a_hang(clu
 
 
 def test_a_straggler_node_is_named_and_replaced_by_the_spare_at_a_checkpoint(cluster, tmp_path, reference):
-    # n2 (rank 1's node at the first launch) is slow after the gradients' all-reduce.
-    hook = (*HANG, "--replace-stragglers", "1.5", "--straggler-saves", "2")
+    # n2 (rank 1's node at the first launch) is slow after the gradients' all-reduce: x1.43 the median
+    # of 2 ranks (0.5 s against 0.2 s; the median of two is their mean).
+    hook = (*HANG, "--replace-stragglers", "1.3", "--straggler-saves", "2")
     job_id, paths = submit_watched(tmp_path, nodes=3, spares=1, hook=hook,
                                    worker=("--slow-node", "n2", "--slow-s", "0.3"))
     fields = wait_for(lambda: job_done(job_id), 300, "the job to finish")
     evs = events(paths["run"])
     named = [e for e in evs if e["event"] == "stragglers"]
-    assert named and named[0]["nodes"][0]["node"] == "n2" and named[0]["nodes"][0]["factor"] > 1.5, named[:1]
+    assert named and named[0]["nodes"][0]["node"] == "n2" and named[0]["nodes"][0]["factor"] > 1.3, named[:1]
     replaced = [e for e in evs if e["event"] == "straggler_replaced"]
     assert replaced and replaced[0]["nodes"] == ["n2"], ([e["event"] for e in evs], debug(paths))
     assert "n2" not in [e for e in evs if e["event"] == "launch"][-1]["nodes"]
-    step = replaced[0]["committed_step"]
-    manifest = json.load(open(os.path.join(paths["run"], f"step-{step:09d}", "manifest.json")))
-    assert manifest["stragglers"]["slowest"][0]["node"] == "n2"
-    out = sh(sys.executable, "-m", "resume.cli", "inspect", paths["run"], "--step", str(step))
-    assert "stragglers" in out and "n2" in out
+    # The checkpoint saved for the replacement comes first, then training goes on without n2.
+    assert replaced[0]["committed_step"] < ITERATIONS
+    after = [e for e in named if e["step"] > replaced[0]["committed_step"]]
+    assert after and all(e["nodes"][0]["node"] != "n2" for e in after)
     assert_finished_like_the_reference(paths, fields, reference)

@@ -12,7 +12,7 @@ import click
 from ..errors import EXIT_OK, ResumeError, UsageError
 from ..run import Run
 from ..watchdog import FIRST_BOUND_S, HANG_FACTOR, HANG_FLOOR_S, HangBounds
-from .common import command
+from .common import command, emit_json, json_option
 
 __all__ = ["slurm"]
 
@@ -193,6 +193,42 @@ def template(run_url: str, global_batch: int, micro_batch: int, nodes_per_replic
         os.chmod(out_file, 0o755)
     else:
         click.echo(script, nl=False)
+    return EXIT_OK
+
+
+@slurm.command()
+@click.argument("run_url", metavar="RUN")
+@json_option
+@command
+def status(run_url: str, as_json: bool) -> int:
+    """Where the supervised run stands, from the hook's events: the last launch, the last hang
+    (one line: phase, suspects, their nodes, where the stacks are), the last stragglers, the
+    nodes left out. Exit 0, or 3 when the hook never ran on RUN."""
+    from ..cluster.status import read_events, status_of
+    from ..errors import RunNotFoundError
+
+    run = Run.open(run_url)
+    try:
+        events = read_events(run.storage)
+    except FileNotFoundError:
+        raise RunNotFoundError(f"{run.storage.url('cluster/events.jsonl')}: expected the Slurm hook's "
+                               f"event log, actual none (the hook never ran on this run)") from None
+    found = status_of(events)
+    if as_json:
+        emit_json(found)
+        return EXIT_OK
+    launch, strag, ev = found["last_launch"], found["last_stragglers"], found["last_event"]
+    click.echo(f"run          {run.storage.url('')}")
+    if launch:
+        click.echo(f"last launch  #{launch.get('launch')} at {launch.get('at')} on "
+                   f"{','.join(map(str, launch.get('nodes') or []))} (committed step {launch.get('committed_step')})")
+    click.echo(f"last hang    {found['last_hang_line'] or 'none'}"
+               + (f" ({found['hangs']} in all)" if found["hangs"] > 1 else ""))
+    if strag:
+        click.echo(f"stragglers   step {strag.get('step')}: {strag.get('reason', '')}")
+    click.echo(f"left out     {', '.join(found['left_out']) or 'none'}")
+    if ev:
+        click.echo(f"last event   {ev.get('at')} {ev['event']}: {ev.get('reason', '')}")
     return EXIT_OK
 
 
