@@ -32,6 +32,8 @@ __all__ = ["COLLECT_S", "Hang", "HangWatch", "RankReport", "collect", "find_susp
 COLLECT_S = 30.0
 """After a hang is declared, how long the hook waits for every rank's report."""
 MAX_PHASES = 4
+MAX_LISTED = 64
+"""Suspects and their nodes listed in an event at most (``suspect_count`` says how many)."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +253,8 @@ def hang_summary(hang: Hang, reports: Mapping[int, RankReport], suspects: list[i
     """The ``hang`` event's fields."""
     late = sorted(reports.values(), key=lambda r: r.last_progress_at)[:3]
     return {"phase": hang.phase, "what": hang.what, "iteration": hang.iteration, "quiet_s": hang.quiet_s,
-            "bound_s": hang.bound_s, "suspects": suspects,
-            "suspect_nodes": suspect_nodes(suspects, reports, nodes, tasks_per_node),
+            "bound_s": hang.bound_s, "suspects": suspects[:MAX_LISTED], "suspect_count": len(suspects),
+            "suspect_nodes": suspect_nodes(suspects, reports, nodes, tasks_per_node)[:MAX_LISTED],
             "reports": len(reports), "stacks": where,
             "earliest": [{"rank": r.rank, "node": r.node, "iteration": r.iteration, "phase": r.phase,
                           "last_progress_at": r.last_progress_at} for r in late],

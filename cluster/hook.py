@@ -21,7 +21,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from resume.adapters.megatron import MEGATRON_LAYOUT  # and registers it: detect_layout knows it
@@ -32,11 +32,10 @@ from resume.errors import EXIT_CRASH_LOOP, EXIT_UNRECOVERABLE, ResumeError, Usag
 from resume.run import Run, utc_now
 from resume.watchdog import HANG_ENV, HANGS, RUN_ENV, HangBounds
 
-from .hangs import COLLECT_S, Hang, HangWatch, collect, find_suspects, hang_summary
-
 from .crash_loop import CrashLoopPolicy
 from .events import EventLog
 from .grace import STOP_MARGIN_S, grace_budget
+from .hangs import COLLECT_S, Hang, HangWatch, collect, find_suspects, hang_summary
 from .hook_state import StateFile
 from .layout import valid_dp_sizes
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
@@ -81,7 +80,7 @@ class HookConfig:
     accept_changes: tuple[str, ...] = ()
     """Changed settings the training may accept at its restarts (resume.changes names): added
     to ``RESUME_ACCEPT_CHANGES`` in the step's environment, at every launch and requeue."""
-    hang: HangBounds = HangBounds()
+    hang: HangBounds = field(default_factory=HangBounds)
     """Hang detection's bounds (``resume.watchdog``), passed to every rank (``RESUME_HANG``);
     the start-up bound comes from the launches measured so far."""
     hang_collect_s: float = COLLECT_S
@@ -486,7 +485,8 @@ class Supervisor:
         """A phase went on past its bound: keep every rank's report, name the suspect, end the
         step for sure, leave the suspect's node out when a spare is free, count a failure."""
         hang, launch = self._hang, self.state.launches
-        assert hang is not None and self.hangs is not None
+        if hang is None:
+            return None
         self._note_startup()
         tasks = len(nodes) * self.cfg.tasks_per_node
         reports = collect(self.rundir.storage, launch=launch, world_size=tasks, clock=self.clock,

@@ -10,6 +10,7 @@ every checkpoint counts once; the history is this allocation's only.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 from resume.stragglers import StragglerPolicy, describe
 
 from .events import EventLog

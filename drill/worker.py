@@ -27,8 +27,7 @@ from resume.adapters.torch_native import NativeTorchAdapter, allreduce_each_grad
 from resume.drill.model import GPTConfig, SyntheticTokens, TinyGPT, warmup_cosine
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from resume import Coordinator
-from resume import faults
+from resume import Coordinator, faults
 from resume.checksum import digest_parts
 
 GLOBAL_BATCH = 8

@@ -41,10 +41,30 @@ from typing import Any
 from .errors import UsageError
 from .text import clip
 
-__all__ = ["FIRST_BOUND_S", "HANGS", "HANG_ENV", "HANG_FACTOR", "HANG_FLOOR_S", "PROGRESS", "REPORT_CAP",
-           "RUN_ENV", "LAUNCH_ENV", "NODE_ENV", "TASK_PID_ENV", "NOT_WAITING_IN", "WAITING_IN",
-           "Declared", "HangBounds", "Progress", "Watchdog", "expect", "process_watchdog", "report_path", "seconds_or_none",
-           "watch_from_start"]
+__all__ = [
+    "FIRST_BOUND_S",
+    "HANGS",
+    "HANG_ENV",
+    "HANG_FACTOR",
+    "HANG_FLOOR_S",
+    "LAUNCH_ENV",
+    "NODE_ENV",
+    "NOT_WAITING_IN",
+    "PROGRESS",
+    "REPORT_CAP",
+    "RUN_ENV",
+    "TASK_PID_ENV",
+    "WAITING_IN",
+    "Declared",
+    "HangBounds",
+    "Progress",
+    "Watchdog",
+    "expect",
+    "process_watchdog",
+    "report_path",
+    "seconds_or_none",
+    "watch_from_start",
+]
 
 log = logging.getLogger("resume")
 
@@ -297,7 +317,9 @@ class Watchdog:
             self.progress.enter("start-up")
 
     def start(self) -> None:
-        if self._thread is None and self.bounds.enabled:
+        """The watchdog thread (also with detection off where the hook reads rank 0's progress:
+        it then says that nothing is watched)."""
+        if self._thread is None and (self.bounds.enabled or self.heartbeat):
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._loop, name="resume-watchdog", daemon=True)
             self._thread.start()
@@ -359,9 +381,12 @@ class Watchdog:
         return None
 
     def open_phases(self) -> list[dict]:
-        """The phases now watched: the loop's and, during an asynchronous save, the background's."""
+        """The phases now watched: the loop's and, during an asynchronous save, the background's;
+        none when detection is off (rank 0 then tells the hook so: its progress lists none)."""
         p = self.progress
-        out = []
+        out: list[dict] = []
+        if not self.bounds.enabled:
+            return out
         bound = self.bound_of(p.phase, p.bound)
         if bound is not None:
             out.append({"phase": p.phase, "what": p.what, "since": p.since, "bound_s": round(bound, 3)})
@@ -501,7 +526,7 @@ def process_watchdog(env: Mapping[str, str] | None = None) -> Watchdog:
                                 rank=int(rank) if rank.isdigit() else 0, node=env.get(NODE_ENV) or None)
             run = env.get(RUN_ENV)
             if run and bounds.enabled:
-                from .storage import open_storage  # noqa: PLC0415 - only under the hook
+                from .storage import open_storage
                 try:
                     _PROCESS.storage = open_storage(run)
                     _PROCESS.heartbeat = True

@@ -40,7 +40,7 @@ def test_parse_reads_several_faults_with_their_options():
 @pytest.mark.parametrize("spec, bad", [
     ("save.nowhere:raise", "point: expected one of save.before_shards, .*actual 'save.nowhere'"),
     ("save.after_shards:explode",
-     "save.after_shards: action: expected one of kill, raise, enospc, eio, actual 'explode'"),
+     "save.after_shards: action: expected one of kill, raise, enospc, eio, hang, actual 'explode'"),
     ("save.after_shards", "save.after_shards: action: .*actual ''"),
     ("save.after_shards:raise color=red",
      "save.after_shards: expected rank=N, step=N or hit=N, actual 'color=red'"),

@@ -18,8 +18,7 @@ def write_events(run, *records, raw: bytes = b"") -> None:
     (run / "cluster").mkdir(parents=True, exist_ok=True)
     with open(run / "cluster" / "events.jsonl", "wb") as f:
         f.write(raw)
-        for r in records:
-            f.write(json.dumps(r).encode() + b"\n")
+        f.writelines(json.dumps(r).encode() + b"\n" for r in records)
 
 
 def test_the_last_hang_is_one_line_naming_the_suspect_its_node_and_the_stacks(tmp_path):
