@@ -20,12 +20,14 @@ then the stack of every thread); a rank quiet for half its bound also answers th
 request file (``…/launch-<L>/dump``) with its report. Rank 0 writes ``RUN/cluster/progress.json``
 (its phases and bounds) at most every ``beat_s`` when something changed: the hook reads it.
 Nothing else is written while the run is healthy; ``progress()`` costs a clock read and a few
-stores.
+stores. A rank whose Python threads cannot run (a native call holding the GIL) writes no report;
+under the hook faulthandler's own thread then prints its stacks to stderr (the job's output).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import linecache
 import logging
@@ -36,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import UsageError
 from .text import clip
@@ -57,6 +59,7 @@ __all__ = [
     "WAITING_IN",
     "Declared",
     "HangBounds",
+    "Phase",
     "Progress",
     "Watchdog",
     "expect",
@@ -180,22 +183,27 @@ class HangBounds:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+class Phase(NamedTuple):
+    """What a rank is doing: one value, replaced whole (the watchdog thread reads it untorn)."""
+
+    name: str
+    what: str
+    bound: float | None
+    """A declared phase's bound (``expect``); None: derived."""
+    since: float
+    """When it began or last progressed (the clock's seconds)."""
+
+
 class Progress:
     """What one rank is doing: written by the loop (cheap stores), read by the watchdog thread.
 
-    ``seq`` changes at every progress; the watchdog compares, never locks: a torn read costs
-    at most one tick of lateness.
+    ``now`` is replaced whole at every change, so a reader never sees one phase's name with
+    another's start; ``seq`` changes at every progress.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        now = clock()
-        self.phase = "start-up"
-        self.what = ""
-        self.since = now
-        """When the current phase began or last progressed."""
-        self.bound: float | None = None
-        """A declared phase's bound (``expect``); None: derived."""
+        self.now = Phase("start-up", "", None, clock())
         self.seq = 0
         self.iteration: int | None = None
         self.background_since: float | None = None
@@ -207,11 +215,19 @@ class Progress:
         self._last_update: float | None = None
         self._last_synced: float | None = None
 
+    @property
+    def phase(self) -> str:
+        return self.now.name
+
+    @property
+    def since(self) -> float:
+        return self.now.since
+
     def progress(self, iteration: int) -> None:
         """One iteration ended: this rank arrived at the boundary (``update()``)."""
         now = self.clock()
         last = self._last_update
-        if last is not None and self.phase == "iteration":
+        if last is not None and self.now.name == "iteration":
             dt = now - last
             if dt > self.slowest.get("iteration", 0.0):
                 self.slowest["iteration"] = dt
@@ -219,30 +235,29 @@ class Progress:
                 self.times.append(now - self._last_synced)
         self._last_update = now
         self.iteration = iteration
-        self.phase, self.what, self.bound, self.since = "iteration", "", None, now
+        self.now = Phase("iteration", "", None, now)
         self.seq += 1
 
     def synced(self) -> None:
         """The ranks agreed at the boundary: what follows until the next is this rank's own time."""
         self._last_synced = self.clock()
 
-    def enter(self, phase: str, *, what: str = "", bound: float | None = None) -> tuple:
+    def enter(self, phase: str, *, what: str = "", bound: float | None = None) -> tuple[Phase, float]:
         """Begin ``phase``; returns what ``leave`` needs to go back to the phase before."""
-        before = (self.phase, self.what, self.bound)
-        now = self.clock()
-        self.phase, self.what, self.bound, self.since = phase, what, bound, now
+        before, now = self.now, self.clock()
+        self.now = Phase(phase, what, bound, now)
         self.seq += 1
-        return before + (now,)
+        return before, now
 
-    def leave(self, token: tuple, *, measure: str | None = None) -> None:
-        phase, what, bound, started = token
+    def leave(self, token: tuple[Phase, float], *, measure: str | None = None) -> None:
+        before, started = token
         now = self.clock()
         if measure is not None:
             self.slowest[measure] = max(self.slowest.get(measure, 0.0), now - started)
-        if phase == "iteration":
+        if before.name == "iteration":
             # The time spent elsewhere (a save, a declared phase) is no iteration's time.
             self._last_update = self._last_synced = None
-        self.phase, self.what, self.bound, self.since = phase, what, bound, now
+        self.now = before._replace(since=now)
         self.seq += 1
 
     def background(self, started: bool) -> None:
@@ -362,21 +377,21 @@ class Watchdog:
 
     def bound_of(self, phase: str, declared: float | None = None) -> float | None:
         """The bound of ``phase`` now (None: not watched)."""
-        p, b = self.progress, self.bounds
+        b, slowest = self.bounds, dict(self.progress.slowest)
         if declared is not None:
             return declared
         if phase in ("start-up", "restore"):
             return b.startup()
         if phase == "iteration":
             # The first iterations after a start (compilation, warm caches) are start-up's.
-            measured = p.slowest.get("iteration")
+            measured = slowest.get("iteration")
             return b.startup() if measured is None else b.bound(measured)
         if phase == "save":
-            measured = max(p.slowest.get("save", 0.0), p.slowest.get("save-background", 0.0),
+            measured = max(slowest.get("save", 0.0), slowest.get("save-background", 0.0),
                            self.measured_save_s or 0.0) or None
             return b.bound(measured)
         if phase == "save-background":
-            measured = max(p.slowest.get("save-background", 0.0), self.measured_save_s or 0.0) or None
+            measured = max(slowest.get("save-background", 0.0), self.measured_save_s or 0.0) or None
             return b.bound(measured)
         return None
 
@@ -387,9 +402,10 @@ class Watchdog:
         out: list[dict] = []
         if not self.bounds.enabled:
             return out
-        bound = self.bound_of(p.phase, p.bound)
+        now = p.now
+        bound = self.bound_of(now.name, now.bound)
         if bound is not None:
-            out.append({"phase": p.phase, "what": p.what, "since": p.since, "bound_s": round(bound, 3)})
+            out.append({"phase": now.name, "what": now.what, "since": now.since, "bound_s": round(bound, 3)})
         since = p.background_since
         if since is not None:
             out.append({"phase": "save-background", "what": "", "since": since,
@@ -399,11 +415,31 @@ class Watchdog:
     # -- the watchdog thread -----------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.bounds.tick_s):
-            try:
-                self.check()
-            except Exception as e:  # noqa: BLE001 - the watchdog never stops the training
-                log.warning("resume: watchdog: %s: %s", type(e).__name__, clip(str(e)))
+        try:
+            while not self._stop.wait(self.bounds.tick_s):
+                try:
+                    self.check()
+                    self._arm_backstop()
+                except Exception as e:  # noqa: BLE001 - the watchdog never stops the training
+                    log.warning("resume: watchdog: %s: %s", type(e).__name__, clip(str(e)))
+        finally:
+            if self.heartbeat:
+                faulthandler.cancel_dump_traceback_later()
+
+    def _arm_backstop(self) -> None:
+        """Under the hook: if this thread stops ticking (a native call holding the GIL), Python's
+        faulthandler prints every thread's stack to stderr (the job's output) a few ticks after the
+        phase's bound, from a thread that needs no GIL. Re-armed at every tick; process-wide, so
+        only where the hook named the run."""
+        if not self.heartbeat:
+            return
+        phases = self.open_phases()
+        if not phases:
+            faulthandler.cancel_dump_traceback_later()
+            return
+        now = self.clock()
+        due = min(ph["since"] + ph["bound_s"] for ph in phases) - now
+        faulthandler.dump_traceback_later(max(due, 0.0) + 3 * self.bounds.tick_s, repeat=False)
 
     def check(self) -> list[dict]:
         """One look (the thread's tick): report each phase past its bound, or quiet for half of
@@ -433,7 +469,7 @@ class Watchdog:
 
     def position(self, ph: dict | None = None, quiet: float | None = None) -> dict:
         p = self.progress
-        ph = ph or {"phase": p.phase, "what": p.what, "since": p.since}
+        ph = ph or {"phase": p.now.name, "what": p.now.what, "since": p.now.since}
         now_m, now_w = self.clock(), self.wall()
         return {"rank": self.rank, "world_size": self.world_size, "node": self.node,
                 "host": socket.gethostname(), "pid": os.getpid(), "launch": self.launch,
@@ -460,16 +496,17 @@ class Watchdog:
             return
         p = self.progress
         now = self.clock()
-        state = (p.seq, p.phase)
+        phase = p.now.name
+        state = (p.seq, phase)
         if not force and (state == self._written or now - self._last_write < self.bounds.beat_s):
             return
         wall = self.wall()
-        phases = [dict(ph, quiet_s=round(now - ph.pop("since"), 3)) for ph in self.open_phases()]
-        if p.phase == "closed":
+        phases = [dict(ph, quiet_s=round(max(0.0, now - ph.pop("since")), 3)) for ph in self.open_phases()]
+        if phase == "closed":
             phases = []
-        record = {"launch": self.launch, "seq": p.seq, "iteration": p.iteration, "phase": p.phase,
+        record = {"launch": self.launch, "seq": p.seq, "iteration": p.iteration, "phase": phase,
                   "phases": phases, "world_size": self.world_size, "written_at": round(wall, 3),
-                  "slowest": {k: round(v, 3) for k, v in p.slowest.items()}}
+                  "slowest": {k: round(v, 3) for k, v in dict(p.slowest).items()}}
         self.storage.write_bytes_atomic(PROGRESS, json.dumps(record).encode())
         self._written, self._last_write = state, now
 
