@@ -11,6 +11,10 @@ read them and pass facts in. Import the module you need:
   on spares, shrinks, requeues, stops a crash loop;
 - ``events``, ``hook_state``, ``watch``, ``step``: the parts the hook's decision loop
   uses: its event log, its state file, what it reads of the run, the srun launcher;
+- ``hangs``: hang detection's side in the hook: rank 0's progress read, the ranks' stack
+  reports collected, the suspect named (the ranks' side is ``resume.watchdog``);
+- ``straggler_watch``: each new checkpoint's stragglers as an event, and the replacement policy;
+- ``status``: ``resume slurm status``, the last launch and hang from the event log;
 - ``task``: how each task of the step starts (``python -m resume.cluster.task --
   COMMAND``): torchrun's variables from srun's, the launch contract;
 - ``grace``: the grace budget, one formula over the run's measured save times;

@@ -27,10 +27,13 @@ from resume.storage import SMALL_FILE_CAP, Storage
 from resume.text import clip, parse_json, short
 from resume.watchdog import HANGS, NOT_WAITING_IN, PROGRESS, REPORT_CAP, WAITING_IN, HangBounds, report_path
 
-__all__ = ["COLLECT_S", "Hang", "HangWatch", "RankReport", "collect", "find_suspects", "parse_report"]
+__all__ = ["COLLECT_S", "STOP_STAGES", "Hang", "HangWatch", "RankReport", "collect", "find_suspects", "parse_report"]
 
 COLLECT_S = 30.0
 """After a hang is declared, how long the hook waits for every rank's report."""
+STOP_STAGES = (("SIGTERM", 10.0), ("SIGKILL to the Slurm step", 10.0), ("SIGKILL", 5.0))
+"""How the hook ends a step, each stage with its patience (``Supervisor._stop_step``): TERM to srun
+(passed on to every task), KILL to every task of the Slurm step (a stopped one too), KILL to srun."""
 MAX_PHASES = 4
 MAX_LISTED = 64
 """Suspects and their nodes listed in an event at most (``suspect_count`` says how many)."""

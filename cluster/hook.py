@@ -6,12 +6,19 @@ training step with ``srun`` and decides what follows each of its ends:
   ``--exit-signal`` to the step) within the grace budget, stop the step, requeue;
 - a failed step: nodes Slurm reports bad are recorded; relaunch on spares inside the
   allocation, else on the next valid data-parallel size (global batch kept), else requeue;
-- ``CrashLoopPolicy``'s failures in a row with no new committed checkpoint: exit
-  ``EXIT_CRASH_LOOP``, no requeue;
+- a hang (``cluster/hangs.py``: rank 0's progress past a phase's bound, or no progress within
+  the start-up bound): every rank's stacks kept, the suspect named, the step ended for sure
+  (TERM, KILL to the Slurm step, KILL), relaunched without the suspect's node when a spare is
+  free, else on the same nodes; a failure for the crash loop;
+- ``--replace-stragglers``: a node the slowest by more than the factor at K checkpoints in a
+  row is replaced by a free spare after a save (``cluster/straggler_watch.py``);
+- ``CrashLoopPolicy``'s failures (hangs included) in a row with no new committed checkpoint:
+  exit ``EXIT_CRASH_LOOP``, no requeue;
 - exit 0: training finished (or was asked to stop), exit 0.
 
 Its parts: the event log (``cluster/events.py``), the state file (``cluster/hook_state.py``),
-the run watcher (``cluster/watch.py``), the step launcher (``cluster/step.py``).
+the run watcher (``cluster/watch.py``), the step launcher (``cluster/step.py``), hang detection's
+side (``cluster/hangs.py``), the stragglers' (``cluster/straggler_watch.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from resume.watchdog import HANG_ENV, HANGS, RUN_ENV, HangBounds
 from .crash_loop import CrashLoopPolicy
 from .events import EventLog
 from .grace import STOP_MARGIN_S, grace_budget
-from .hangs import COLLECT_S, Hang, HangWatch, collect, find_suspects, hang_summary
+from .hangs import COLLECT_S, STOP_STAGES, Hang, HangWatch, collect, find_suspects, hang_summary
 from .hook_state import StateFile
 from .layout import valid_dp_sizes
 from .slurm import Slurm, SlurmError, SlurmJob, is_bad_state
@@ -373,7 +380,7 @@ class Supervisor:
                                    clock=self.clock, sleep=self.sleep, on_wait=watch,
                                    check=self.watch.check)
             saved = True
-            self.log.event("saved", step=step, reason="checkpoint committed after the signal")
+            self.log.event("saved", step=step, reason=f"checkpoint committed after the save request ({name})")
         except _StepEnded:
             self.log.event("save_skipped", exit_code=proc.returncode,
                            reason="the step ended before it answered the save request")
@@ -526,11 +533,15 @@ class Supervisor:
         node = self.stragglers.chosen
         saved = self._save_by_request(proc, "straggler", self._save_wait())
         self._stop_step(proc, wait_s=self.cfg.step_exit_s if saved else 0.0)
+        why = (f"node {node} was the slowest by more than x{self.cfg.straggler_factor} at "
+               f"{self.cfg.straggler_saves} checkpoints in a row")
         if node is not None and node in nodes and self._spare_free():
             self.excluded.append(node)
             self.log.event("straggler_replaced", nodes=[node], committed_step=self.watch.committed_quietly(),
-                           reason=f"node {node} was the slowest by more than x{self.cfg.straggler_factor} at "
-                                  f"{self.cfg.straggler_saves} checkpoints in a row: relaunched without it")
+                           reason=f"{why}: relaunched without it")
+        else:
+            self.log.event("straggler_kept", nodes=[node], reason=f"{why}, but it is not in the step or no spare "
+                           "is free any more: relaunched on the same nodes")
         self.stragglers.reset()
         self._save_state()
 
@@ -541,15 +552,14 @@ class Supervisor:
         deadline = self.clock() + wait_s
         while proc.poll() is None and self.clock() < deadline:
             self.sleep(self.cfg.poll_s)
-        for how, patience in (("SIGTERM", 10.0), ("step", 10.0), ("SIGKILL", 5.0)):
+        for how, patience in STOP_STAGES:
             if proc.poll() is not None:
                 break
-            self.log.event("stop_step", signal=how if how != "step" else "SIGKILL to the Slurm step",
-                           reason="the step did not leave by itself")
-            if how == "step":
-                self._kill_slurm_steps()
-            else:
+            self.log.event("stop_step", signal=how, reason="the step did not leave by itself")
+            if how in signal.Signals.__members__:
                 proc.send_signal(signal.Signals[how])
+            else:
+                self._kill_slurm_steps()
             deadline = self.clock() + patience
             while proc.poll() is None and self.clock() < deadline:
                 self.sleep(self.cfg.poll_s)

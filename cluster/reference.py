@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass
 
 from resume.errors import UsageError
-from resume.watchdog import BEAT_S, HANG_FACTOR, HANG_FLOOR_S
+from resume.watchdog import BEAT_S, HANG_FACTOR, HANG_FLOOR_S, TICK_S
 
+from .hangs import COLLECT_S, STOP_STAGES
 from .layout import REFERENCE
 
 __all__ = ["DEFAULT_INPUTS", "MEASURED", "Figure", "Inputs", "Measured", "figures", "markdown_table",
@@ -40,13 +41,8 @@ SEQUENCE_TOKENS = 8192
 ASSUMED_GPU_TFLOPS = 400.0
 """Sustained bf16 TFLOP/s per GPU, assumed: only to show that an iteration is shorter than the
 hang bound's floor divided by its factor, so that the floor is the bound."""
-COLLECT_S = 30.0
-"""How long the Slurm hook waits for the ranks' stack reports once it sees a hang before it stops
-the step: the hook's own ``COLLECT_S`` (tests/test_simulate_hangs.py checks they agree)."""
-STOP_STAGES_S = (("SIGTERM", 10.0), ("SIGKILL", 5.0), ("scancel of the step", 10.0))
-"""The hook's patience at each stage of stopping a hung step (cluster/hook.py: ``_stop_step``)."""
-STOP_ESCALATION_S = sum(patience for _, patience in STOP_STAGES_S)
-"""A hung step's stop, every stage's patience spent in full."""
+STOP_ESCALATION_S = sum(patience for _, patience in STOP_STAGES)
+"""A hung step's stop, every stage's patience spent in full (cluster/hangs.py: ``STOP_STAGES``)."""
 GB = 1e9
 MIB = 1 << 20
 
@@ -208,7 +204,7 @@ LABELS = {
     "restart_spare": "restart on a spare, to first iteration",
     "restart_requeue": "restart after a requeue, to first iteration",
     "hang_detect": "hang detected, stack reports collected (during iterations)",
-    "hang_stop": "hung step stopped (TERM, KILL, scancel)",
+    "hang_stop": "hung step stopped (TERM, KILL to the step, KILL)",
     "hang_recovery": "hang: last progress to first iteration, on a spare or the same nodes",
 }
 """Every figure's row in the table, in order."""
@@ -333,18 +329,19 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     # Phase 5, a hang: the watchdog's bound, the stack reports, the stop, then a restart.
     tokens = ref.global_batch * SEQUENCE_TOKENS
     iteration_s = 6 * PARAMETERS * tokens / (ref.world_size * ASSUMED_GPU_TFLOPS * 1e12)
-    detect_s = HANG_FLOOR_S + BEAT_S + COLLECT_S
+    detect_s = HANG_FLOOR_S + BEAT_S + TICK_S + COLLECT_S
     f["hang_detect"] = Figure(detect_s, "s", (
         f"computed: the iteration bound {_number(HANG_FLOOR_S)} (max(floor {_number(HANG_FLOOR_S)}, "
         f"{_number(HANG_FACTOR)} x the slowest iteration): the floor, as iterations take under "
         f"{_number(HANG_FLOOR_S / HANG_FACTOR)} s; assumed: about {_number(iteration_s)} s, 6 x "
         f"{PARAMETERS / 1e9:.0f}e9 parameters x {tokens:,} tokens over {ref.world_size:,} GPUs at "
         f"{_number(ASSUMED_GPU_TFLOPS)} TFLOP/s) + rank 0's progress beat {_number(BEAT_S)} + the "
-        f"hook's wait for the ranks' stack reports {_number(COLLECT_S)} s; not measured at scale"))
+        f"watchdog's tick {_number(TICK_S)} + the hook's wait for the ranks' stack reports "
+        f"{_number(COLLECT_S)} s; not measured at scale"))
     f["hang_stop"] = Figure(STOP_ESCALATION_S, "s", (
         "computed: the hook's patience at each stage, spent in full when a hung rank ignores "
         "signals (stuck in a driver call): "
-        + " + ".join(f"{stage} {_number(patience)}" for stage, patience in STOP_STAGES_S)
+        + " + ".join(f"{stage} {_number(patience)}" for stage, patience in STOP_STAGES)
         + " s; a step that leaves at SIGTERM takes less"))
     f["hang_recovery"] = Figure(detect_s + STOP_ESCALATION_S + spare_s, "s", (
         f"computed: hang detected {_number(detect_s)} + step stopped {_number(STOP_ESCALATION_S)} + "

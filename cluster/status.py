@@ -1,6 +1,6 @@
 """``resume slurm status RUN``: where a supervised run stands, from the hook's event log
 (``RUN/cluster/events.jsonl``): its last launch, its last hang (with the suspects and where
-their stacks are), the last stragglers named, the nodes left out.
+their stacks are), the last stragglers named, the nodes the current allocation left out.
 
 The log is untrusted: only its last ``TAIL`` bytes are read, each line parsed as JSON on its
 own; a line that is not an event is skipped.
@@ -58,10 +58,15 @@ def status_of(events: list[dict]) -> dict[str, Any]:
     def last(*kinds: str) -> dict | None:
         return next((e for e in reversed(events) if e["event"] in kinds), None)
 
+    # Left out by this allocation: since its hook's start; a node Slurm reports healthy again is back.
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     left_out: list[str] = []
-    for e in events:
-        if e["event"] in LEFT_OUT and isinstance(e.get("nodes"), list):
-            left_out += [clip(str(n), 255) for n in e["nodes"] if str(n) not in left_out]
+    for e in events[starts[-1] if starts else 0:]:
+        nodes = [clip(str(n), 255) for n in e.get("nodes") or []] if isinstance(e.get("nodes"), list) else []
+        if e["event"] in LEFT_OUT:
+            left_out += [n for n in nodes if n not in left_out]
+        elif e["event"] == "nodes_back":
+            left_out = [n for n in left_out if n not in nodes]
     hang = last("hang")
     return {"last_launch": last("launch"), "last_hang": hang, "last_hang_line": hang_line(hang) if hang else None,
             "hangs": sum(e["event"] == "hang" for e in events), "last_stragglers": last("stragglers"),

@@ -138,8 +138,8 @@ def test_too_many_hangs_to_simulate_is_a_usage_error():
 
 def test_the_default_hang_detection_is_the_reference_detection_and_stop():
     f = figures()
-    assert f["hang_detect"].value == 300 + 5 + 30  # the floor, rank 0's beat, the stack reports
-    assert f["hang_stop"].value == 10 + 5 + 10  # SIGTERM, SIGKILL, scancel
+    assert f["hang_detect"].value == 300 + 5 + 1 + 30  # the floor, rank 0's beat, the tick, the stack reports
+    assert f["hang_stop"].value == 10 + 10 + 5  # SIGTERM, SIGKILL to the Slurm step, SIGKILL to srun
     assert f["hang_recovery"].value == pytest.approx(
         f["hang_detect"].value + f["hang_stop"].value + f["restart_spare"].value)
     default = simulate_defaults()["hang_detect_s"]
@@ -148,23 +148,19 @@ def test_the_default_hang_detection_is_the_reference_detection_and_stop():
 
 
 def test_the_hang_figures_follow_the_watchdog_constants():
-    from resume.watchdog import BEAT_S, HANG_FACTOR, HANG_FLOOR_S
+    from resume.watchdog import BEAT_S, HANG_FACTOR, HANG_FLOOR_S, TICK_S
     f = figures()
-    assert f["hang_detect"].value == HANG_FLOOR_S + BEAT_S + reference.COLLECT_S
+    assert f["hang_detect"].value == HANG_FLOOR_S + BEAT_S + TICK_S + reference.COLLECT_S
     assert f"floor {HANG_FLOOR_S:g}" in f["hang_detect"].source
     assert f"{HANG_FACTOR:g} x the slowest iteration" in f["hang_detect"].source
     # The floor is the bound only while the reference run's iterations are shorter than floor / factor.
     assert "assumed: about 23 s" in f["hang_detect"].source and HANG_FLOOR_S / HANG_FACTOR > 23
 
 
-def test_the_collection_window_is_the_hooks():
-    try:
-        hangs = importlib.import_module("resume.cluster.hangs")
-    except ImportError:
-        pytest.skip("the hook's hang handling is not in this tree yet")
-    if not hasattr(hangs, "COLLECT_S"):
-        pytest.skip("the hook names no COLLECT_S")
+def test_the_collection_window_and_the_stop_are_the_hooks():
+    hangs = importlib.import_module("resume.cluster.hangs")
     assert reference.COLLECT_S == hangs.COLLECT_S
+    assert reference.STOP_ESCALATION_S == sum(patience for _, patience in hangs.STOP_STAGES)
 
 
 def test_the_reference_rows_print_with_their_sources():
