@@ -8,10 +8,14 @@ Each run times, ours and plain alternating first: ``save`` (``Coordinator.save()
 ``get_state_dict`` + ``dcp.save`` + ``torch.save`` of the small state), ``async stall`` (the
 ``coord.update()`` that starts a scheduled async save against ``dcp.async_save`` returning),
 ``restore`` into fresh objects with the page cache dropped (``Coordinator.restore()`` against
-``dcp.load`` + ``set_state_dict``), and ``update()`` without a save. Figures are medians over the
-runs; the last line with ``--json`` is one JSON object: ``save_vs_dcp`` and
-``restore_vs_dcp_load`` are plain / ours (higher is faster), ``async_stall_vs_dcp_async`` is
-ours / DCP's (lower is better), ``update_us`` in microseconds, ``per_run`` each run's ratios.
+``dcp.load`` + ``set_state_dict``), and ``update()`` without a save. After the runs, ``update()``
+without a save again, with hang detection on (``HangBounds()``: the watchdog thread running) and
+off (``HangBounds(enabled=False)``: no thread), a Coordinator each, alternating on, off, off, on.
+Figures are medians over the runs; the last line with ``--json`` is one JSON object:
+``save_vs_dcp`` and ``restore_vs_dcp_load`` are plain / ours (higher is faster),
+``async_stall_vs_dcp_async`` is ours / DCP's (lower is better), ``update_us`` in microseconds,
+``update_us_hang_on`` and ``update_us_hang_off`` the same with hang detection on and off,
+``update_hang_on_vs_off`` their ratio, ``per_run`` each run's ratios.
 ``--profile N`` adds a cProfile of one more of each. The method in full: docs/performance.md.
 """
 
@@ -40,7 +44,7 @@ from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from resume import Coordinator
+from resume import Coordinator, HangBounds
 from resume.run import step_dirname
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -48,7 +52,10 @@ LAYERS = 16
 GLOBAL_BATCH = 4
 SAMPLES = 256
 GOALS = {"save_vs_dcp": (">=", 0.95), "async_stall_vs_dcp_async": ("<=", 1.1),
-         "restore_vs_dcp_load": (">=", 0.85), "update_us": ("<=", 50.0)}
+         "restore_vs_dcp_load": (">=", 0.85), "update_us": ("<=", 50.0), "update_us_hang_on": ("<=", 50.0)}
+HANG_MODES = {"on": HangBounds(), "off": HangBounds(enabled=False)}
+"""Hang detection as ``update_us_hang_*`` times it: explicit both ways (a Coordinator given no
+bounds would keep the process watchdog's, the last Coordinator's)."""
 
 
 # -- the training state ----------------------------------------------------------------------
@@ -112,11 +119,12 @@ def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
 class Training:
     """The live loop: model, optimizer, scheduler, loader, adapter and Coordinator."""
 
-    def __init__(self, width: int, dataset: Samples, run_dir: str, every: int) -> None:
+    def __init__(self, width: int, dataset: Samples, run_dir: str, every: int, *,
+                 hang: HangBounds | None = None) -> None:
         self.model, self.optim, self.sched, self.loader = build(width, dataset, seed=0)
         self.adapter = NativeTorchAdapter(self.model, [self.optim], [self.sched], self.loader)
         self.coord = Coordinator(run_dir, self.adapter, global_batch=GLOBAL_BATCH, every=every,
-                                 keep=1000, async_save=True, handle_signals=False)
+                                 keep=1000, async_save=True, handle_signals=False, hang=hang)
         self.coord.restore()  # a fresh start
         self.batches = self.coord.batches()
         self.every = every
@@ -335,6 +343,28 @@ def profile(t: Training, width: int, dataset: Samples, run_dir: str, cache: Page
     show("Coordinator.restore() (verify_on_restore=True, pages dropped)", prof)
 
 
+def time_update_by_hang_mode(width: int, dataset: Samples, root: str, every: int, pairs: int) -> dict[str, list[float]]:
+    """``update()`` without a save, each call timed, with hang detection on and off: a fresh
+    Coordinator (its own run) for each, ``pairs`` times in the order on, off, off, on."""
+    times: dict[str, list[float]] = {mode: [] for mode in HANG_MODES}
+    for i, mode in enumerate(["on", "off", "off", "on"] * pairs):
+        t = Training(width, dataset, fresh_dir(root, f"hang-{mode}-{i}"), every, hang=HANG_MODES[mode])
+        watched = t.coord.watchdog._thread is not None
+        assert watched == (mode == "on"), f"hang detection {mode}: watchdog thread running: {watched}"
+        t.skip_to_due(times[mode])
+        t.coord.close()
+        del t
+        gc.collect()
+    return times
+
+
+def hang_figures(times: dict[str, list[float]]) -> dict[str, float]:
+    on, off = statistics.fmean(times["on"]) * 1e6, statistics.fmean(times["off"]) * 1e6
+    return {"update_us_hang_on": on, "update_us_hang_off": off, "update_hang_on_vs_off": on / off,
+            "update_us_hang_on_median": statistics.median(times["on"]) * 1e6,
+            "update_us_hang_off_median": statistics.median(times["off"]) * 1e6}
+
+
 # -- main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -382,13 +412,17 @@ def main() -> None:
         if args.profile:
             profile(t, width, dataset, run_dir, cache, args.profile, args.pause)
         t.coord.close()
+        del t
+        gc.collect()
+        by_hang = time_update_by_hang_mode(width, dataset, root, args.every, pairs=max(1, args.runs // 2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     update_us = statistics.fmean(update_s) * 1e6
-    ratios = {**pair_ratios(med), "update_us": update_us}
+    hang = hang_figures(by_hang)
+    ratios = {**pair_ratios(med), "update_us": update_us, "update_us_hang_on": hang["update_us_hang_on"]}
     # Per run, with which side went first: on a virtual disk the position in a pair can matter
     # as much as the tool, and only an even number of runs gives each side each position equally.
     per_run = [{"ours_first": i % 2 == 0, **{k: round(v, 3) for k, v in pair_ratios(r).items()}}
@@ -414,6 +448,7 @@ def main() -> None:
         print(f"| {label} | {med[key]:.3f} |")
     print(f"\nupdate() without a save: {update_us:.1f} µs mean, {statistics.median(update_s) * 1e6:.1f} µs median "
           f"over {len(update_s)} calls")
+    print_hang_table(hang, len(by_hang["on"]))
     print("\n| ratio | value | goal |\n|---|---:|---|")
     for k, v in ratios.items():
         op, goal = GOALS[k]
@@ -428,8 +463,21 @@ def main() -> None:
     if args.json:
         print(json.dumps({**ratios, "gib": size / (1 << 30), "runs": len(runs), "seconds": med,
                           "update_us_median": statistics.median(update_s) * 1e6,
-                          "update_calls": len(update_s), "goals_met": met, "machine": machine,
+                          "update_calls": len(update_s), **{k: v for k, v in hang.items() if k not in ratios},
+                          "update_hang_calls": len(by_hang["on"]), "goals_met": met, "machine": machine,
                           "per_run": per_run, "pause_s": args.pause, "elapsed_s": elapsed}))
+
+
+def print_hang_table(hang: dict[str, float], calls: int) -> None:
+    """``update()`` without a save, hang detection on and off, beside the budget."""
+    budget = GOALS["update_us_hang_on"][1]
+    met = "met" if hang["update_us_hang_on"] <= budget else "NOT met"
+    print(f"\n| update() without a save, {calls} calls each | hang detection on (default) | off | on / off | budget |"
+          "\n|---|---:|---:|---:|---|")
+    print(f"| mean | {hang['update_us_hang_on']:.1f} µs | {hang['update_us_hang_off']:.1f} µs | "
+          f"{hang['update_hang_on_vs_off']:.2f} | ≤ {budget:g} µs ({met}) |")
+    print(f"| median | {hang['update_us_hang_on_median']:.1f} µs | {hang['update_us_hang_off_median']:.1f} µs | "
+          f"{hang['update_us_hang_on_median'] / hang['update_us_hang_off_median']:.2f} | |")
 
 
 def pair_ratios(t: dict[str, float]) -> dict[str, float]:

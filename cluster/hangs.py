@@ -82,7 +82,10 @@ class RankReport:
 
 
 def _is_num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite JSON number a float holds (a 400-digit integer is none: no OverflowError later)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    return math.isfinite(x) if isinstance(x, float) else -1e18 < x < 1e18
 
 
 def parse_progress(data: bytes, launch: int) -> dict | None:

@@ -136,7 +136,8 @@ class HangBounds:
                 raise UsageError(f"hang bounds: {name}: expected a number > 0, actual {value!r}")
         if self.factor < 1:
             raise UsageError(f"hang bounds: factor: expected >= 1, actual {self.factor}")
-        if self.startup_s is not None and not self.startup_s > 0:
+        s = self.startup_s
+        if s is not None and (not isinstance(s, int | float) or isinstance(s, bool) or not s > 0):
             raise UsageError(f"hang bounds: startup_s: expected > 0 or None, actual {self.startup_s!r}")
 
     def bound(self, measured: float | None) -> float:
@@ -155,7 +156,7 @@ class HangBounds:
                  "beat": self.beat_s, "tick": self.tick_s}
         if self.startup_s is not None:
             parts["startup"] = self.startup_s
-        return ",".join(f"{k}={v:g}" for k, v in parts.items())
+        return ",".join(f"{k}={float(v)!r}" for k, v in parts.items())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HangBounds:
@@ -298,6 +299,8 @@ class Watchdog:
                  node: str | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.bounds = bounds
+        self.given_bounds = bounds
+        """The bounds it was made with (the hook's ``RESUME_HANG``, or the defaults)."""
         self.rank = rank
         self.world_size = world_size
         self.launch = launch
@@ -323,11 +326,10 @@ class Watchdog:
     def attach(self, storage: Any, *, rank: int, world_size: int, bounds: HangBounds | None = None) -> None:
         """This rank's place and the run that receives its reports (a Coordinator's, unless the
         hook named the run); ``bounds``: the program's own, instead of the hook's."""
-        if self.storage is None:
+        if self.storage is None or not self.heartbeat:  # the run the hook named stays
             self.storage = storage
         self.rank, self.world_size = rank, world_size
-        if bounds is not None:
-            self.bounds = bounds
+        self.bounds = bounds if bounds is not None else self.given_bounds
         if self.progress.phase == "closed":  # a second Coordinator in this process
             self.progress.enter("start-up")
 
