@@ -319,6 +319,8 @@ class Watchdog:
         self._last_write = -1e30
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._dump_looked = -1e30
+        self._backstop = True
         self.reports = 0
 
     # -- set up ------------------------------------------------------------------------
@@ -433,15 +435,19 @@ class Watchdog:
         faulthandler prints every thread's stack to stderr (the job's output) a few ticks after the
         phase's bound, from a thread that needs no GIL. Re-armed at every tick; process-wide, so
         only where the hook named the run."""
-        if not self.heartbeat:
+        if not (self.heartbeat and self._backstop):
             return
         phases = self.open_phases()
-        if not phases:
-            faulthandler.cancel_dump_traceback_later()
-            return
-        now = self.clock()
-        due = min(ph["since"] + ph["bound_s"] for ph in phases) - now
-        faulthandler.dump_traceback_later(max(due, 0.0) + 3 * self.bounds.tick_s, repeat=False)
+        try:
+            if not phases:
+                faulthandler.cancel_dump_traceback_later()
+                return
+            due = min(ph["since"] + ph["bound_s"] for ph in phases) - self.clock()
+            faulthandler.dump_traceback_later(max(due, 0.0) + 3 * self.bounds.tick_s, repeat=False,
+                                              file=sys.__stderr__)
+        except (AttributeError, ValueError, RuntimeError, OSError) as e:  # no stderr with a descriptor
+            self._backstop = False
+            log.warning("resume: watchdog: no stack dump to stderr for a frozen interpreter: %s", clip(str(e)))
 
     def check(self) -> list[dict]:
         """One look (the thread's tick): report each phase past its bound, or quiet for half of
@@ -462,8 +468,12 @@ class Watchdog:
         return reported
 
     def _dump_requested(self) -> bool:
-        if self.storage is None:
+        """Whether the hook asks for the reports; looked at most every ``beat_s`` (only a rank
+        quiet for half its bound looks: every rank during a long phase, not at every tick)."""
+        now = self.clock()
+        if self.storage is None or now - self._dump_looked < self.bounds.beat_s:
             return False
+        self._dump_looked = now
         try:
             return bool(self.storage.exists(f"{HANGS}/launch-{self.launch}/dump"))
         except OSError:
