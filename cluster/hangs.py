@@ -194,20 +194,39 @@ def collect(storage: Storage, *, launch: int, world_size: int, clock: Callable[[
         pass  # the ranks past their own bound report anyway
     deadline = clock() + window_s
     reports: dict[int, RankReport] = {}
+    tried: set[int] = set()
     while True:
-        for rank in range(world_size):
-            if rank in reports:
-                continue
+        # One listing per look; each report read once (5,120 ranks: no open of every missing one).
+        for rank in sorted(_listed_ranks(storage, launch, world_size) - tried):
+            tried.add(rank)
             try:
                 data = storage.read_bytes(report_path(launch, rank), limit=REPORT_CAP)
             except (OSError, ValueError):
+                tried.discard(rank)  # half-written or refused: the next look tries again
                 continue
             report = parse_report(data, rank=rank)
             if report is not None:
                 reports[rank] = report
+            else:
+                tried.discard(rank)  # not a report (yet): the rank's own may replace it
         if len(reports) == world_size or clock() >= deadline:
             return reports
         sleep(poll_s)
+
+
+def _listed_ranks(storage: Storage, launch: int, world_size: int) -> set[int]:
+    """The ranks whose report ``launch``'s directory lists (names of the form ``rank-<R>.txt``)."""
+    try:
+        names = storage.listdir(f"{HANGS}/launch-{launch}")
+    except (OSError, ValueError):
+        return set()
+    out = set()
+    for name in names:
+        base = name.rsplit("/", 1)[-1]
+        digits = base[len("rank-"):-len(".txt")] if base.startswith("rank-") and base.endswith(".txt") else ""
+        if digits.isascii() and digits.isdigit() and int(digits) < world_size:
+            out.add(int(digits))
+    return out
 
 
 def _minority(groups: Mapping[int, Any]) -> list[int] | None:

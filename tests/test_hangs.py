@@ -378,6 +378,24 @@ def test_collect_survives_a_report_with_a_number_too_large_for_a_float(storage):
     assert list(reports) == [0] and reports[0].quiet_s == -1.0
 
 
+def test_collect_lists_once_per_look_reads_each_report_once_and_ignores_other_names(storage):
+    clock = Clock()
+    reads: list[str] = []
+    real_read = storage.read_bytes
+
+    def counting_read(path, **kw):
+        reads.append(path)
+        return real_read(path, **kw)
+
+    storage.read_bytes = counting_read
+    storage.write_bytes_atomic(report_path(1, 0), report_bytes(0))
+    for junk in ("rank-7.txt", "rank-x.txt", "rank-.txt", "notes.txt", "rank-1.json"):
+        storage.write_bytes_atomic(f"{HANGS}/launch-1/{junk}", report_bytes(1))
+    reports = collect(storage, launch=1, world_size=2, clock=clock, sleep=clock.sleep, window_s=2.0, poll_s=0.5)
+    assert sorted(reports) == [0]  # rank 1 never answered; rank 7 is past the world
+    assert reads == [report_path(1, 0)]  # read once, though looked for at every poll; no missing file opened
+
+
 # -- the hook: a hang ends the step, names the suspect, leaves its node out ------------------------------
 
 
