@@ -10,7 +10,8 @@ Modules, each one job:
 - ``record``: what a manifest records beyond the files; ``vet``: pickles vetted before a load;
 - ``recorder``: ``MegatronRecorder``, the commit after each save and the checks around each
   load (``restart``); ``asyncsave``: the commit of ``--async-save`` at Megatron's finalize;
-- ``install``: ``install()``, the recorder wired into ``megatron.training``;
+- ``install``: ``install()``, the recorder wired into ``megatron.training``; ``watch``: the
+  process watchdog (hang detection) driven from the same wrapped calls;
 - ``adopt``: ``resume megatron adopt``; ``args``: the reference run's arguments.
 
 Importing the package is cheap (no megatron-core, no torch) and registers the layout.

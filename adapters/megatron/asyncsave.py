@@ -11,7 +11,9 @@ done: dist_checkpointing's finalize functions, then Megatron's (the tracker).
   taken when the save is scheduled; only the file records are taken at the finalize;
 - ours is appended last on every rank, so its collectives line up;
 - two saves of one iteration never write at once, and a ``resume save`` request is
-  answered only once its step is committed (``maybe_wait_for_commit`` first).
+  answered only once its step is committed (``maybe_wait_for_commit`` first);
+- the watchdog (``watch``) counts the saves in flight, from the first scheduled to the last
+  committed, as ``save-background``; a wait for their finalize and our commit as ``save``.
 """
 
 
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 
 from resume.errors import InvariantError
 from resume.run import Run
+from resume.watchdog import HangBounds, Watchdog
 
 from .layout import MEGATRON_LAYOUT
 
@@ -63,24 +66,28 @@ class AsyncCommits:
     arms (the request that carries Megatron's finalize functions).
     """
 
-    def __init__(self, schedule: Callable[[Any], Any], finalize: Callable[..., Any]) -> None:
+    def __init__(self, schedule: Callable[[Any], Any], finalize: Callable[..., Any], *,
+                 watchdog: Watchdog | None = None) -> None:
         """
         Args:
             schedule: Megatron's ``schedule_async_save`` (what the replacement passes requests to).
             finalize: Megatron's ``maybe_finalize_async_save(blocking=..., terminate=...)``.
+            watchdog: told of the saves in flight (``install()``: the process's); None: one
+                that watches nothing.
         """
         self._schedule = schedule
         self._finalize = finalize
+        self._watchdog = watchdog if watchdog is not None else Watchdog(HangBounds(enabled=False))
         self._armed: Callable[[], Any] | None = None
         self.pending: list[int] = []
         """Iterations scheduled and not yet committed, oldest first (alike on every rank)."""
 
     @classmethod
-    def install(cls, checkpointing: Any) -> AsyncCommits:
+    def install(cls, checkpointing: Any, *, watchdog: Watchdog | None = None) -> AsyncCommits:
         """Put ``schedule_async_save`` in place in ``megatron.training.checkpointing``."""
         from megatron.training import async_utils
 
-        commits = cls(checkpointing.schedule_async_save, async_utils.maybe_finalize_async_save)
+        commits = cls(checkpointing.schedule_async_save, async_utils.maybe_finalize_async_save, watchdog=watchdog)
         checkpointing.schedule_async_save = commits.schedule_async_save
         return commits
 
@@ -119,18 +126,24 @@ class AsyncCommits:
             self._armed = None
             self.pending.remove(iteration)
             raise
+        if self.pending == [iteration]:  # the first in flight starts the background's clock
+            self._watchdog.progress.background(True)
         return result
 
     def _commit(self, recorder: SaveRecorder, snapshot: SaveSnapshot, args: Any) -> None:
         """Megatron's finalize step, every rank: the files are complete (all-reduced), commit them."""
         try:
-            recorder.commit_save(snapshot, args)
+            with self._watchdog.phase("save"):
+                recorder.commit_save(snapshot, args)
         finally:
             self.pending.remove(snapshot.iteration)
+            if not self.pending:
+                self._watchdog.progress.background(False)
 
     def maybe_wait_for_commit(self, iteration: int) -> None:
         """Collective: when the save of ``iteration`` is still pending, finalize (waiting) every
         pending save up to it, so its manifest exists on return."""
         if iteration in self.pending:
             log.info("resume: waiting for the async save of %s to finalize", MEGATRON_LAYOUT.dirname(iteration))
-            self._finalize(blocking=True)
+            with self._watchdog.phase("save"):
+                self._finalize(blocking=True)

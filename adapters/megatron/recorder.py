@@ -43,6 +43,8 @@ from resume.manifest import Manifest
 from resume.run import Run
 from resume.state import TrainState
 from resume.storage import open_storage
+from resume.stragglers import summarize
+from resume.watchdog import Watchdog, process_watchdog
 
 from ..environment import JobEnvironment
 from .args import check_supported
@@ -77,7 +79,7 @@ class MegatronRecorder:
     def __init__(self, save_dir: str, *, comm: Comm | None = None, lr_lookahead: int = 3,
                  verify_on_load: bool = True, accept_schedule_change: bool = False,
                  control_poll_s: float = 5.0, lease_ttl_s: float | None = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, watchdog: Watchdog | None = None) -> None:
         """
         Args:
             save_dir: Megatron's ``--save`` (and ``--load``) directory, a path or fsspec URL.
@@ -92,6 +94,8 @@ class MegatronRecorder:
             lease_ttl_s: rank 0 holds the save directory's lease (``lease.json``) from the
                 first load or save on, with a heartbeat; another job is refused
                 (RunBusyError) until it is this old. None: no lease.
+            watchdog: whose iteration times each save records (``stragglers``); default the
+                process's (``resume.watchdog.process_watchdog``), which ``install()`` drives.
         """
         if lr_lookahead < 2:
             raise ValueError(f"lr_lookahead: expected >= 2, actual {lr_lookahead}")
@@ -111,6 +115,7 @@ class MegatronRecorder:
         self.lease_ttl_s = lease_ttl_s
         self._lease: Lease | None = None
         self._lease_taken = False
+        self.watchdog = watchdog if watchdog is not None else process_watchdog()
 
     @property
     def comm(self) -> Comm:
@@ -206,7 +211,9 @@ class MegatronRecorder:
             state = self.counters(iteration, args, scheduler)
             # Only rank 0's view of the next batch and the LR goes into the manifest;
             # the others send their RNG digest (one copy of the ids per rank would add up).
-            part = {"state": state.to_dict(), "rng": rng_digest()}
+            part = {"state": state.to_dict(), "rng": rng_digest(),
+                    # this rank's iteration times since the last save (stragglers), with the gather
+                    "times": self.watchdog.progress.take_times(), "node": self.watchdog.node}
             if self.comm.rank == 0:
                 part["expectation"] = self.expectation(state, args, scheduler, optimizer)
             return part
@@ -249,7 +256,7 @@ class MegatronRecorder:
         expectation["world_size"] = self.comm.world_size
         return Manifest(step=iteration, train_state=TrainState(**first["state"]), files={},
                         expectation=expectation, topology=topology(args, self.comm.world_size),
-                        config=run_config(args), adapter=ADAPTER_NAME,
+                        config=run_config(args), adapter=ADAPTER_NAME, stragglers=summarize(parts),
                         timing={"manifest_s": round(self.clock() - started, 3)})
 
     # -- load -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Megatron's own training loop on CPU with resume installed: ``megatron.training.training.train()``.
 
 One run is one process (``python -m support.megatron_train_loop CONFIG.json``), so a
-test can SIGKILL it and resume in a fresh one. The process does what ``pretrain()``
+test can SIGKILL it and resume in a fresh one; ``start_ranks`` runs one on several ranks
+(gloo, data parallel), one process each. The process does what ``pretrain()``
 does around ``train()`` (arguments parsed by Megatron, model, optimizer and scheduler
 built by Megatron-Core, then ``training.load_checkpoint`` as
 ``setup_model_and_optimizer`` calls it) and then runs Megatron's ``train()``
@@ -54,6 +55,10 @@ needs these further test-only stand-ins, only without CUDA:
   builds DDP on a side stream);
 - ``args.padded_vocab_size`` computed by the model provider's caller, as the tokenizer
   build (skipped, NullTokenizer) would.
+
+Faults, at 0-based iterations of the config: ``request_at`` (a ``resume save`` request),
+``sigterm_at``, ``hold_at`` (``hold``: blocks inside ``train_step``, on ``hold_rank`` only when
+given), ``overflow_at``.
 
 What the test observes: the loss of every iteration (from the loss function, per
 ``args.curr_iteration``), the final parameters' digest, the iteration ``train()``
@@ -118,11 +123,21 @@ class Events:
             _write_json(self.config["out"] + ".request", {"request_id": request.request_id})
         if iteration == self.config.get("sigterm_at"):
             os.kill(os.getpid(), signal.SIGTERM)  # Megatron's handler only sets a flag
-        if iteration == self.config.get("hold_at"):
-            # The parent SIGKILLs this process now: mid-iteration, after the last save.
-            _write_json(self.config["out"] + ".holding", {"iteration": iteration})
-            while True:
-                time.sleep(0.05)
+        if iteration == self.config.get("hold_at") and self.config.get("hold_rank") in (None, _rank()):
+            hold(self.config["out"], iteration)
+
+
+def hold(out: str, iteration: int) -> None:
+    """Block here, inside Megatron's ``train_step`` (the first micro-batch's forward step): the
+    parent SIGKILLs this process (mid-iteration, after the last save), or the watchdog reports
+    this frame first."""
+    _write_json(out + ".holding", {"iteration": iteration})
+    while True:
+        time.sleep(0.05)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class _NoStream:
@@ -324,14 +339,15 @@ def argv_for(save_dir: str, iterations: int, save_interval: int, extra: tuple[st
             "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", *extra]
 
 
-def start(tmp_dir: str, name: str, **config: Any) -> tuple[subprocess.Popen, str]:
-    """Start a run in a fresh process; (process, path of its result JSON)."""
+def start(tmp_dir: str, name: str, env: dict[str, str] | None = None,
+          **config: Any) -> tuple[subprocess.Popen, str]:
+    """Start a run in a fresh process (``env``: added to this one's); (process, path of its result JSON)."""
     out = os.path.join(tmp_dir, f"{name}.json")
     config["out"] = out
     config_path = os.path.join(tmp_dir, f"{name}.config.json")
     _write_json(config_path, config)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **(env or {}))
     with open(os.path.join(tmp_dir, f"{name}.log"), "w") as log:  # the child keeps its own copy
         proc = subprocess.Popen([sys.executable, "-m", "support.megatron_train_loop", config_path],
                                 cwd=TESTS_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -371,9 +387,49 @@ def kill_when_holding(tmp_dir: str, name: str, timeout_s: float = 120, **config:
     return proc.wait(timeout=30)
 
 
+def start_ranks(tmp_dir: str, name: str, world_size: int, env: dict[str, str] | None = None,
+                **config: Any) -> list[tuple[subprocess.Popen, str]]:
+    """Start one run on ``world_size`` ranks (gloo, a file store), one process each, as torchrun
+    would (``RANK``, ``WORLD_SIZE``); rank R is named ``NAME-rankR``."""
+    store = os.path.join(tmp_dir, f"{name}.store")
+    return [start(tmp_dir, f"{name}-rank{rank}", env=dict(env or {}, RANK=str(rank), WORLD_SIZE=str(world_size)),
+                  rank=rank, world_size=world_size, store=store, **config)
+            for rank in range(world_size)]
+
+
+def wait_ranks(tmp_dir: str, name: str, procs: list[tuple[subprocess.Popen, str]], timeout_s: float = 180) -> list[dict]:
+    """Each rank's result once every rank exited 0 (all killed when one fails or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    for rank, (proc, _) in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            kill(procs)
+            raise AssertionError(f"{name} rank {rank}: exit code {rc} (None: still running after {timeout_s}s)\n"
+                                 f"{log_tail(tmp_dir, f'{name}-rank{rank}')}")
+    results = []
+    for _, out in procs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def kill(procs: list[tuple[subprocess.Popen, str]]) -> list[int]:
+    """SIGKILL every rank still running; their return codes."""
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+    return [proc.wait(timeout=30) for proc, _ in procs]
+
+
 def main(config_path: str) -> None:
     with open(config_path) as f:
         config = json.load(f)
+    if config.get("world_size", 1) > 1:  # before Megatron's setup, which then finds it initialised
+        torch.distributed.init_process_group("gloo", init_method=f"file://{config['store']}",
+                                             rank=config["rank"], world_size=config["world_size"])
     result = run_pretrain(config) if config.get("entry") == "pretrain" else run(config)
     _write_json(config["out"], result)
     torch.distributed.destroy_process_group()
