@@ -4,7 +4,8 @@ once a hang is declared, and the suspect (the ranks that were not where the othe
 - ``HangWatch.poll``: one read of ``RUN/cluster/progress.json`` (rank 0's phases and their
   bounds, ``resume/watchdog.py``) per poll; a hang when a phase goes on past its bound (plus one
   beat, so the ranks' own reports come first), or when no progress of this launch arrives
-  within the start-up bound.
+  within the start-up bound, once the run is known to report progress (a program that never
+  imports ``resume`` writes none, and is not watched).
 - ``collect``: asks every rank for its report (``…/launch-<L>/dump``) and waits up to
   ``COLLECT_S`` for all of them.
 - ``find_suspects``: ranks that did not answer; else those at another iteration or phase than
@@ -110,7 +111,9 @@ class HangWatch:
     """The hook's view of one launch: ``poll`` says when a phase went on past its bound."""
 
     def __init__(self, storage: Storage, *, launch: int, bounds: HangBounds,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], expect_progress: bool = True) -> None:
+        """``expect_progress``: no progress within the start-up bound is a hang (the program is
+        known to run the watchdog); otherwise only once a first progress record came."""
         self.storage = storage
         self.launch = launch
         self.bounds = bounds
@@ -123,6 +126,7 @@ class HangWatch:
         self._seq_at = self.started
         self.startup_s: float | None = None
         """Launch to the first iteration's progress, by the hook's clock (None: not yet)."""
+        self.expect_progress = expect_progress
 
     def poll(self) -> Hang | None:
         if not self.bounds.enabled:
@@ -131,6 +135,8 @@ class HangWatch:
         now = self.clock()
         rec = self.record
         if rec is None:
+            if not self.expect_progress:  # a program that never imported resume is not watched
+                return None
             bound = self.bounds.startup()
             quiet = now - self.started
             return Hang("start-up", round(quiet, 3), bound) if quiet > bound + self.bounds.beat_s else None

@@ -460,7 +460,8 @@ class Supervisor:
         tasks = len(nodes) * self.cfg.tasks_per_node
         bounds = self.cfg.hang.merged(startup_s=self.cfg.hang.bound(self.state.startup_s)
                                       if self.state.startup_s is not None else None)
-        self.hangs = HangWatch(self.rundir.storage, launch=self.state.launches, bounds=bounds, clock=self.clock)
+        self.hangs = HangWatch(self.rundir.storage, launch=self.state.launches, bounds=bounds, clock=self.clock,
+                               expect_progress=self.state.watched)
         env = dict(self.env, MASTER_ADDR=master, MASTER_PORT=str(port), RESUME_DP=str(dp),
                    RESUME_LAUNCH=str(self.state.launches), **self.accept_env,
                    **{HANG_ENV: bounds.to_env(), RUN_ENV: self.cfg.run_url})
@@ -487,6 +488,8 @@ class Supervisor:
         """The launch's measured start-up (to its first iteration): the next launch's bound."""
         if self.hangs is not None and self.hangs.startup_s is not None:
             self.state.startup_s = self.hangs.startup_s
+        if self.hangs is not None and self.hangs.record is not None:
+            self.state.watched = True
 
     def _after_hang(self, proc: Any, nodes: list[str]) -> int | None:
         """A phase went on past its bound: keep every rank's report, name the suspect, end the

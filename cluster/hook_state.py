@@ -34,6 +34,9 @@ class HookState:
     startup_s: float | None = None
     """The last launch's start-up, launch to first iteration (the hook's clock): the start-up
     bound of the next (``HangBounds.bound``)."""
+    watched: bool = False
+    """A launch of this run wrote rank 0's progress (the program runs ``resume``'s watchdog): from
+    then on a launch with no progress within the start-up bound is a hang."""
 
 
 class StateFile:
@@ -59,11 +62,13 @@ class StateFile:
         same_job = body.get("job") == self.job_id
         return HookState(bad_nodes=list(body.get("bad_nodes", [])),
                          failures=list(body.get("failures", [])) if same_job else [],
-                         launches=body.get("launches", 0), startup_s=seconds_or_none(body.get("startup_s")))
+                         launches=body.get("launches", 0), startup_s=seconds_or_none(body.get("startup_s")),
+                         watched=body.get("watched") is True)
 
     def save(self, state: HookState) -> None:
         body = {"bad_nodes": state.bad_nodes, "failures": state.failures[-KEPT_FAILURES:],
-                "launches": state.launches, "job": self.job_id, "startup_s": state.startup_s}
+                "launches": state.launches, "job": self.job_id, "startup_s": state.startup_s,
+                "watched": state.watched}
         self.storage.write_bytes_atomic(STATE, json.dumps(body, indent=1).encode())
 
 

@@ -66,6 +66,17 @@ def storage(tmp_path):
 # -- HangWatch.poll ----------------------------------------------------------------------------------
 
 
+def test_a_program_that_never_wrote_progress_is_not_watched_at_its_start(storage):
+    clock = Clock()
+    watch = HangWatch(storage, launch=1, bounds=BOUNDS, clock=clock, expect_progress=False)
+    clock.t += 10_000
+    assert watch.poll() is None
+    write_progress(storage, progress_record(1, seq=1, phase="start-up", quiet_s=0.0, bound_s=100.0))
+    assert watch.poll() is None
+    clock.t += 107
+    assert watch.poll() is not None  # once it reports, its phases are watched
+
+
 def test_without_progress_a_start_up_hang_comes_only_after_the_start_up_bound_and_a_beat(storage):
     clock = Clock()
     watch = HangWatch(storage, launch=1, bounds=BOUNDS, clock=clock)
@@ -599,8 +610,30 @@ def test_a_start_up_that_never_reports_progress_is_a_hang_whose_suspects_are_the
     sup, _, srun = supervisor(tmp_path, ["n1", "n2", "n3"], [
         lambda env: HungStartup(),
         lambda env: DoneStep(0)], spares=1)
+    sup.state.watched = True  # an earlier launch of this run wrote progress: silence is a hang
     with handlers_restored():
         assert sup.run() == 0
     hang = next(e for e in run_events(tmp_path) if e["event"] == "hang")
     assert hang["phase"] == "start-up" and hang["suspects"] == [] and hang["reports"] == 0
     assert nodelist(srun.launches[1]) == ["n1", "n2"]  # nobody to leave out: in place
+
+
+@pytest.mark.parametrize("startup, watched, expected", [
+    (12.5, True, (12.5, True)),
+    (None, False, (None, False)),
+    ("12", "true", (None, False)),       # strings are not what the hook wrote
+    (-3, 1, (None, False)),              # a negative duration; 1 is not true
+    (1e300, True, (None, True)),         # past any start-up
+    (True, None, (None, False)),
+])
+def test_the_hooks_start_up_measure_and_watched_flag_survive_a_requeue_and_bad_values_are_dropped(
+        storage, startup, watched, expected):
+    from resume.cluster.hook_state import STATE, StateFile
+
+    storage.write_bytes_atomic(STATE, json.dumps({"job": "7", "launches": 2, "startup_s": startup,
+                                                  "watched": watched}).encode())
+    state = StateFile(storage, "7").load()
+    assert (state.startup_s, state.watched, state.launches) == (*expected, 2)
+    StateFile(storage, "7").save(state)
+    again = StateFile(storage, "8").load()  # a later job of the run keeps both
+    assert (again.startup_s, again.watched) == expected
