@@ -4,7 +4,6 @@ suspect, and what the hook does about a hang. Clocks, sleeps, Slurm and srun are
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from resume.cluster.hangs import (
 )
 from resume.cluster.hook import EXIT_CRASH_LOOP, HookConfig, Supervisor
 from resume.cluster.slurm import Slurm, SlurmJob
+from support.signals import handlers_restored
 from support.traces import hook_events
 
 from resume.storage import SMALL_FILE_CAP, open_storage
@@ -500,17 +500,6 @@ class Srun:
     def __call__(self, cmd, env, **kwargs):
         self.launches.append({"cmd": cmd, "env": env})
         return self.steps.pop(0)(env)
-
-
-@contextlib.contextmanager
-def handlers_restored():
-    """The hook installs USR1/TERM handlers in this process: put pytest's back afterwards."""
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
 
 
 def supervisor(tmp_path, nodes, steps, *, spares=0, crash_loop=3):

@@ -5,7 +5,6 @@ The same hook runs against a real Slurm in tests/test_slurm_cluster.py.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -29,6 +28,7 @@ from resume.cluster.slurm import (
 from resume.cluster.template import SbatchTemplate
 from support.cli import assert_one_line_error, resume
 from support.ports import free_port
+from support.signals import handlers_restored
 from support.traces import hook_events
 
 from resume.checksum import checksum_bytes
@@ -163,17 +163,6 @@ def events(tmp_path):
 
 def nodelist(launch):
     return next(a for a in launch["cmd"] if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
-
-
-@contextlib.contextmanager
-def handlers_restored():
-    """The hook installs USR1/TERM handlers in this process: put pytest's back afterwards."""
-    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
 
 
 def answer_first_request(run_dir: str, step: int, *, commit: bool, answered: list | None = None) -> None:
