@@ -58,3 +58,17 @@ def test_a_run_the_hook_never_ran_on_is_exit_3_and_a_missing_run_too(tmp_path):
     run.mkdir()
     assert_one_line_error(resume("slurm", "status", str(run)), 3, "events.jsonl", "never ran")
     assert_one_line_error(resume("slurm", "status", os.path.join(str(tmp_path), "nothing")), 3)
+
+
+def test_the_nodes_left_out_are_the_current_allocations_less_those_back_in_service():
+    events = [
+        {"event": "start", "nodes": ["n1", "n2", "n3"]},
+        {"event": "hung_node_excluded", "nodes": ["n9"]},          # an earlier allocation's
+        {"event": "start", "nodes": ["n1", "n2", "n3", "n4"]},
+        {"event": "nodes_failed", "nodes": ["n2"]},
+        {"event": "hung_node_excluded", "nodes": ["n3", "n3"]},
+        {"event": "straggler_replaced", "nodes": ["n4"]},
+        {"event": "nodes_back", "nodes": ["n2"]},
+        {"event": "nodes_removed", "nodes": "n5"},                  # not a list: ignored
+    ]
+    assert status_module.status_of(events)["left_out"] == ["n3", "n4"]
