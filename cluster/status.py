@@ -64,7 +64,7 @@ def status_of(events: list[dict]) -> dict[str, Any]:
     for e in events[starts[-1] if starts else 0:]:
         nodes = [clip(str(n), 255) for n in e.get("nodes") or []] if isinstance(e.get("nodes"), list) else []
         if e["event"] in LEFT_OUT:
-            left_out += [n for n in nodes if n not in left_out]
+            left_out += [n for n in dict.fromkeys(nodes) if n not in left_out]
         elif e["event"] == "nodes_back":
             left_out = [n for n in left_out if n not in nodes]
     hang = last("hang")
