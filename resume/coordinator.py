@@ -327,9 +327,11 @@ class Coordinator:
 
     def _write_staged(self, commit: StepCommit, local: dict, manifest_of: Callable[[list[dict]], Manifest],
                       moments_later: bool) -> None:
-        """Phases 2 and 3 of an asynchronous save, on the save group (its own thread)."""
+        """Phases 2 and 3 of an asynchronous save, on the save group (its own thread); the watchdog's
+        background phase ends with it, whatever ends it."""
         coll = self._save_coll
         if coll is None:
+            self._progress.background(False)
             raise SaveFailedError("asynchronous save without a save group")
         staged = local.pop("staged")
 
