@@ -52,6 +52,8 @@ from .watch import RunWatcher
 
 __all__ = ["EXIT_CRASH_LOOP", "EXIT_UNRECOVERABLE", "HookConfig", "Supervisor"]
 
+REQUEUE_S = 2.0
+"""Kept for ``scontrol requeue`` after the step is stopped (within ``STOP_MARGIN_S``)."""
 MAX_REFUSALS = 3
 """Refused launches in a row that end this allocation (the job is requeued elsewhere)."""
 
@@ -352,8 +354,10 @@ class Supervisor:
         else:
             saved = self._save_by_request(proc, name, save_wait)
         spent = self.clock() - started
+        # The step's own exit, then every stage of stopping it, then the requeue, before Slurm's kill.
+        stopping = sum(patience for _, patience in STOP_STAGES) + REQUEUE_S
         exit_wait = self.cfg.step_exit_s if lead is None else \
-            max(0.0, min(self.cfg.step_exit_s, lead - spent - STOP_MARGIN_S / 2))
+            max(0.0, min(self.cfg.step_exit_s, lead - spent - stopping))
         self._stop_step(proc, wait_s=exit_wait if saved else 0.0)
         self.state.failures.clear()
         complete = self.watch.complete_step() if proc.poll() == 0 else None

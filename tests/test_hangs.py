@@ -626,3 +626,13 @@ def test_the_hooks_start_up_measure_and_watched_flag_survive_a_requeue_and_bad_v
     StateFile(storage, "7").save(state)
     again = StateFile(storage, "8").load()  # a later job of the run keeps both
     assert (again.startup_s, again.watched) == expected
+
+
+def test_stopping_a_step_for_sure_and_requeueing_fit_the_margin_kept_before_slurms_kill():
+    """After USR1 the hook waits ``grace - STOP_MARGIN_S`` for the save; every stage of ending the
+    step (each patience spent in full) and the requeue must fit in what is left."""
+    from resume.cluster.grace import STOP_MARGIN_S
+    from resume.cluster.hangs import STOP_STAGES
+    from resume.cluster.hook import REQUEUE_S
+
+    assert sum(patience for _, patience in STOP_STAGES) + REQUEUE_S <= STOP_MARGIN_S
