@@ -65,6 +65,15 @@ def plant(run: Run, name: str, data: bytes) -> None:
         f.write(data)
 
 
+def plant_whole(run: Run, name: str, data: bytes) -> None:
+    """``plant``, but a reader sees the old file or the whole new one: a forger that rewrites its
+    answer every few milliseconds must not be read half-written (that is another test's case)."""
+    tmp = control_path(run, f".forging-{name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, control_path(run, name))
+
+
 def plant_fifo(run: Run, name: str) -> None:
     os.mkfifo(control_path(run, name))
 
@@ -275,7 +284,7 @@ def forger(run: Run, body_for):
                     if name.endswith(REQUEST_SUFFIX):
                         request_id = name.removesuffix(REQUEST_SUFFIX)
                         with contextlib.suppress(OSError):
-                            plant(run, request_id + RESULT_SUFFIX, body_for(request_id))
+                            plant_whole(run, request_id + RESULT_SUFFIX, body_for(request_id))
 
     thread = threading.Thread(target=forge, daemon=True)
     thread.start()
