@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from resume.errors import ContinuityError, UsageError
+from resume.skips import Skips
 from resume.text import short
 
 from . import jsonstate
 
 __all__ = ["GlobalPositionSampler", "IndexedDataset", "StatefulLoader", "check_loader",
-           "load_loader_state", "loader_state"]
+           "load_loader_state", "loader_state", "skip_loader_samples"]
 
 STATEFUL_DATA_LOADER = "torchdata.StatefulDataLoader"
 """The tag of a wrapped ``StatefulDataLoader`` state (its ``__loader__`` field)."""
@@ -46,7 +47,7 @@ class GlobalPositionSampler:
     """
 
     def __init__(self, num_samples: int, global_batch: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> None:
+                 seed: int = 0, shuffle: bool = True, skips: Any = ()) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples: expected >= 1, actual {num_samples}")
         if global_batch < 1 or global_batch % world_size:
@@ -59,6 +60,9 @@ class GlobalPositionSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.offset = 0
+        self.skips = skips if isinstance(skips, Skips) else Skips(skips)
+        """Ranges of positions passed over (``resume.skips``; a rewind's declared skip): a global
+        batch takes the next ``global_batch`` positions outside them."""
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
 
@@ -86,10 +90,16 @@ class GlobalPositionSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
-            start = self.offset + self.rank * self.local_batch
-            indices = [self.index_at(p) for p in range(start, start + self.local_batch)]
-            self.offset += self.global_batch
-            yield indices
+            if not self.skips:
+                start = self.offset + self.rank * self.local_batch
+                positions: Any = range(start, start + self.local_batch)
+                self.offset += self.global_batch
+            else:
+                spans, end = self.skips.spans(self.offset, self.global_batch)
+                every = [p for a, b in spans for p in range(a, b)]
+                positions = every[self.rank * self.local_batch:(self.rank + 1) * self.local_batch]
+                self.offset = end
+            yield [self.index_at(p) for p in positions]
 
 
 class StatefulLoader:
@@ -116,6 +126,20 @@ class StatefulLoader:
             batch = self.collate([self.dataset[i] for i in indices])
             batch["ids"] = torch.tensor(indices, dtype=torch.long)
             yield batch
+
+
+def skip_loader_samples(loader: Any, skips: Skips) -> None:
+    """A rewind's skip, given to the ``GlobalPositionSampler`` that orders ``loader`` (directly,
+    in a ``StatefulLoader``, or as a ``StatefulDataLoader``'s ``batch_sampler``); any other loader
+    cannot pass over samples exactly: ``UsageError`` naming it."""
+    sampler = loader if isinstance(loader, GlobalPositionSampler) else (
+        loader.sampler if isinstance(loader, StatefulLoader) else _position_sampler(loader))
+    if not isinstance(sampler, GlobalPositionSampler):
+        raise UsageError(f"data: expected a loader ordered by resume.adapters.data.GlobalPositionSampler to pass "
+                         f"over the rewind's skipped samples {skips.to_list()} exactly, actual "
+                         f"{type(loader).__name__} ordered by {type(sampler).__name__}: restart with it, or "
+                         "rewind without --skip-samples")
+    sampler.skips = skips
 
 
 def _stack(items: list[dict]) -> dict:

@@ -27,11 +27,11 @@ from resume.adapter import Adapter
 from resume.comm import Comm
 from resume.errors import UsageError
 
-from .data import check_loader, load_loader_state, loader_state
+from .data import check_loader, load_loader_state, loader_state, skip_loader_samples
 from .dcp.filesystem import COMPRESSIONS
 from .dcp.plan_cache import SavePlanCache
 from .environment import JobEnvironment
-from .torch.batches import describe_batch
+from .torch.batches import batch_ids, describe_batch
 from .torch.comm import TorchDistComm, allreduce_each_gradient, comm_for
 from .torch.metadata import CheckedMetadata
 from .torch.objects import (
@@ -165,6 +165,12 @@ class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerVie
 
     def load_data_state(self, state: Any) -> None:
         load_loader_state(self.data, state)
+
+    def skip_samples(self, skips: Any) -> None:
+        skip_loader_samples(self.data, skips)
+
+    def batch_ids(self, batch: Any) -> list[int] | None:
+        return batch_ids(batch)
 
     def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
         """Sample ids from a dict's ``ids`` (``sample_ids``, ``index``) or a tuple's first item

@@ -65,6 +65,20 @@ class DataPosition(ABC):
     @abstractmethod
     def load_data_state(self, state: Any) -> None: ...
 
+    def skip_samples(self, skips: Any) -> None:
+        """Pass over the ``resume.skips.Skips`` ranges of the run's sample numbering from now on
+        (a rewind's declared skip), set before ``load_data_state``. An adapter whose data cannot
+        skip exactly raises ``UsageError`` saying why."""
+        from .errors import UsageError
+
+        raise UsageError(f"{type(self).__name__}: data: expected a loader that can pass over samples exactly "
+                         "(resume.adapters.data.GlobalPositionSampler), actual one that cannot: the rewind's "
+                         "skip cannot be made")
+
+    def batch_ids(self, batch: Any) -> list[int] | None:
+        """The sample ids ``batch`` carries (no content read), for the update journal; None if none."""
+        return None
+
     @abstractmethod
     def describe_batch(self, batch: Any) -> list[tuple[int, str]]:
         """(global sample id, content digest) of every sample of this rank's batch. A batch that

@@ -70,6 +70,9 @@ class CoordinatorConfig:
     param-group or schedule setting is refused with ContinuityError. An accepted change keeps
     the code's value and is recorded in the next manifest (``changes``). The environment's
     ``RESUME_ACCEPT_CHANGES`` (comma-separated) adds to it, for a requeued job."""
+    journal: bool = True
+    """Rank 0 keeps the update journal (``resume.journal``: one record per update, sealed by each
+    commit; ``resume journal RUN``). False: none is written."""
 
     hang: HangBounds | None = None
     """Hang detection's bounds (``resume.watchdog.HangBounds``: floor, factor, first-time bound,

@@ -35,12 +35,14 @@ from .config import CoordinatorConfig, as_json
 from .continuity import Expectation, matched
 from .control import ControlArea
 from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
+from .journal import Journal, UpdateRecorder
 from .lease import Lease
 from .lookahead import END, NextIteration
 from .manifest import Manifest
 from .restore import Restored, Restorer, check_counters, check_first_update, check_lrs
 from .rng import RngRegistry
 from .run import Run
+from .skips import Skips
 from .state import TrainState
 from .storage import open_storage
 from .stragglers import summarize
@@ -76,6 +78,9 @@ class Coordinator:
         every manifest; ``peek()`` reads them before the shards load, ``restore()`` sets them."""
         self.changes: list[dict] = []
         """Settings changed on purpose at restarts, ``{step, item, from, to}`` (manifest ``changes``)."""
+        self.rewinds: list[dict] = []
+        """The rewinds this line of the run went through (manifest ``rewinds``; ``resume.rewind``)."""
+        self._skips = Skips()
         self.rng = RngRegistry()
         self.state = TrainState()
         self.should_stop = False
@@ -111,6 +116,9 @@ class Coordinator:
         self._trigger = SaveTrigger(
             self.comm, ControlArea(self.run, poll_s=self.settings.control_poll_s, clock=self.clock),
             self.settings.save_policy(), handle_signals=self.settings.handle_signals)
+        self.journal = Journal(self.run.storage, clock=self.clock) if self.rank == 0 and self.settings.journal else None
+        """Rank 0's update journal (``resume.journal``); None elsewhere or with ``journal=False``."""
+        self._recorder = UpdateRecorder(self.journal, self.adapter) if self.journal is not None else None
         self.watchdog.attach(self.run.storage, rank=self.rank, world_size=self.comm.world_size,
                              bounds=self.settings.hang)
         self.watchdog.start()
@@ -176,6 +184,8 @@ class Coordinator:
                 # The LR is in the groups before the step: refused before any update.
                 check_lrs(self.adapter, first, 0, self.adapter.current_lrs(), "lr at the first update",
                           rank=self.rank)
+            if self._recorder is not None:
+                self._recorder.batch(batch)
             yield batch
 
     @property
@@ -188,10 +198,19 @@ class Coordinator:
         return total is not None and iteration >= total
 
     def update(self, *, applied: bool = True, samples: int | None = None, tokens: int | None = None,
-               tokens_in_loss: int | None = None) -> bool:
-        """Count one iteration; save when due, requested or signalled. True if it saved."""
-        self.state.advance(applied=applied, samples=self.global_batch if samples is None else samples,
-                           tokens=tokens, tokens_in_loss=tokens_in_loss)
+               tokens_in_loss: int | None = None, loss: Any = None, grad_norm: Any = None,
+               clipped: bool | None = None) -> bool:
+        """Count one iteration; save when due, requested or signalled. True if it saved.
+
+        ``loss``, ``grad_norm`` (before clipping) and ``clipped`` go into the update journal
+        (``resume.journal``) as given: floats (a tensor is read with ``float()``, a device sync)."""
+        n = self.global_batch if samples is None else samples
+        first, _, passed_over = self._skips.take(self.state.samples_read, n)
+        self.state.advance(applied=applied, samples=n, tokens=tokens, tokens_in_loss=tokens_in_loss,
+                           passed_over=passed_over)
+        if self._recorder is not None:
+            self._recorder.update(self.state, first=first, n=n, passed_over=passed_over, applied=applied,
+                                  extra={"loss": loss, "grad_norm": grad_norm, "clipped": clipped, "tokens": tokens})
         check_counters(self.adapter, self.state, applied=applied, where="update")
         if self._first_after_restore is not None and applied:
             check_first_update(self.adapter, self._first_after_restore, rank=self.rank)
@@ -247,6 +266,8 @@ class Coordinator:
         finally:
             self._trigger.close()
             self.watchdog.close()
+            if self.journal is not None:
+                self.journal.close()
             if self._lease is not None:
                 lease, self._lease = self._lease, None
                 try:
@@ -287,7 +308,8 @@ class Coordinator:
 
     def _save_step(self, commit: StepCommit, *, background: bool) -> int:
         started = self.clock()
-        record = {"user": as_json(self.user, "user"), "changes": list(self.changes)}
+        record = {"user": as_json(self.user, "user"), "changes": list(self.changes), "rewinds": list(self.rewinds)}
+        journal_lines = self.journal.snapshot(commit.step) if self.journal is not None else None
         if self.coll.on_rank0(commit.prepare):
             self.last_committed_step = commit.step
             return commit.step
@@ -310,7 +332,7 @@ class Coordinator:
             self.coll.each(lambda: local.update(staged=self.adapter.stage_shards()),
                            f"{commit.url} (a copy of the shards)", saving=True)
             manifest_of = self._manifest_of(commit.step, expectation, state, record, started,
-                                            stall=self.clock() - started)
+                                            stall=self.clock() - started, journal_lines=journal_lines)
             self._progress.background(True)
             self._in_flight = BackgroundSave.start(
                 commit.step, commit.url, lambda: self._write_staged(commit, local, manifest_of, moments_later),
@@ -321,7 +343,8 @@ class Coordinator:
         commit.write_and_finalize(
             self.coll, lambda: {"files": commit.write(
                 local["rank_file"], lambda: self.adapter.save_shards(self.run.storage, commit.dirname))},
-            self._manifest_of(commit.step, expectation, state, record, started), keep=self.retention)
+            self._manifest_of(commit.step, expectation, state, record, started, journal_lines=journal_lines),
+            keep=self.retention)
         self.last_committed_step = commit.step
         return commit.step
 
@@ -359,11 +382,15 @@ class Coordinator:
         return part
 
     def _manifest_of(self, step: int, expectation: Expectation | None, state: TrainState, record: dict,
-                     started: float, *, stall: float | None = None) -> Callable[[list[dict]], Manifest]:
+                     started: float, *, stall: float | None = None,
+                     journal_lines: list[bytes] | None = None) -> Callable[[list[dict]], Manifest]:
         """The manifest, once every rank reported (a fingerprint taken from a staged copy comes
-        then); built on rank 0 only, the one that has the ``expectation``."""
+        then); built on rank 0 only, the one that has the ``expectation``. The journal's records up
+        to ``step`` are sealed here, just before the manifest that names their segment."""
         def build(reports: list[dict]) -> Manifest:
             assert expectation is not None, "the manifest is built on rank 0"
+            if self.journal is not None and journal_lines is not None:
+                record["journal"] = self.journal.seal(step, journal_lines)
             if expectation.optimizer[0] is None:
                 expectation.optimizer = [r["optimizer"] for r in reports]
             timing = {"save_s": round(self.clock() - started, 3),
@@ -389,6 +416,8 @@ class Coordinator:
                 self.run.write_info({"config": self.settings.recorded_config(), "adapter": self.adapter.name,
                                      "topology": self.adapter.topology()})
         self.coll.on_rank0(write_info)
+        if self.journal is not None:
+            self.journal.start(None, None)
         self._next.start(self.state.iteration)
         log.info("resume: %s: no checkpoint, starting fresh", self.run.url)
 
@@ -399,6 +428,9 @@ class Coordinator:
         self.user = dict(restored.manifest.user)
         self.watchdog.measured_save_s = seconds_or_none(restored.manifest.timing.get("save_s"))
         self.changes = restored.changes
+        self.rewinds, self._skips = restored.rewinds, restored.skips
+        if self.journal is not None:
+            self.journal.start(restored.manifest.journal, restored.manifest.step)
         self._next.start(self.state.iteration)
         # Rank 0 at WARNING: seen with Python's default logging, once per job; the others at INFO.
         resized = int(restored.manifest.topology.get("world_size", 1)) != self.comm.world_size

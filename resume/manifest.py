@@ -62,6 +62,12 @@ class Manifest:
     complete: bool = False
     """The run's last checkpoint: saved at ``total_iterations`` (the run is done; the Slurm hook
     does not requeue it)."""
+    journal: dict[str, Any] | None = None
+    """The update journal's segment this commit sealed (``resume.journal``: segment, size, checksum,
+    step, records, first); None without a journal (and in older manifests)."""
+    rewinds: list[dict[str, Any]] = field(default_factory=list)
+    """The rewinds this line of the run went through (``resume.rewind``: n, to, from, skips, accept,
+    reason, time), oldest first, carried from manifest to manifest."""
     stragglers: dict[str, Any] | None = None
     """The slowest ranks and nodes since the previous save (``resume.stragglers.summarize``:
     ranks, median_s, slowest, nodes); None when nothing was measured (and in older manifests)."""
@@ -85,6 +91,10 @@ class Manifest:
         }
         if self.stragglers is not None:  # absent when not measured: older readers see no change
             body["stragglers"] = self.stragglers
+        if self.journal is not None:
+            body["journal"] = self.journal
+        if self.rewinds:
+            body["rewinds"] = self.rewinds
         return _two_levels(body)
 
     @property
@@ -121,6 +131,8 @@ class Manifest:
             changes=changes,
             complete=complete,
             stragglers=check_stragglers(body.get("stragglers"), source),
+            journal=_parse_journal(body.get("journal"), source=source),
+            rewinds=_parse_rewinds(body.get("rewinds", []), source=source),
         )
 
 
@@ -168,6 +180,29 @@ def _parse_changes(changes: Any, *, source: str) -> list[dict[str, Any]]:
         raise ManifestError(f"{source}: changes: expected a list of {{step, item, from, to}}, "
                             f"actual {changes!r:.80}")
     return changes
+
+
+def _parse_journal(entry: Any, *, source: str) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    if not (isinstance(entry, dict) and isinstance(entry.get("segment"), str) and type(entry.get("size")) is int
+            and isinstance(entry.get("checksum"), str) and type(entry.get("step")) is int):
+        raise ManifestError(f"{source}: journal: expected {{segment, size, checksum, step}}, actual {short(entry)}")
+    return entry
+
+
+def _parse_rewinds(rewinds: Any, *, source: str) -> list[dict[str, Any]]:
+    if not (isinstance(rewinds, list) and all(isinstance(r, dict) and type(r.get("n")) is int
+                                              and type(r.get("to")) is int for r in rewinds)):
+        raise ManifestError(f"{source}: rewinds: expected a list of {{n, to, skips, ...}}, actual {short(rewinds)}")
+    for r in rewinds:
+        skips = r.get("skips", [])
+        if not (isinstance(skips, list) and all(
+                isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) and 0 <= s[0] < s[1]
+                for s in skips)):
+            raise ManifestError(f"{source}: rewinds[{r['n']}].skips: expected [[start, end], ...] with "
+                                f"0 <= start < end, actual {short(skips)}")
+    return rewinds
 
 
 def _reject_constant(name: str) -> float:

@@ -36,8 +36,10 @@ from .errors import (
     ResumeError,
 )
 from .manifest import Manifest
+from .rewind import expect_declared_break, pending_rewind
 from .rng import RngRegistry, check_state
 from .run import Run
+from .skips import Skips
 from .state import TrainState
 from .storage import join
 from .text import clip, short
@@ -55,6 +57,10 @@ class Restored:
     expected: Expectation
     """What the first update must show (the LR it applies)."""
     changes: list[dict]
+    rewinds: list[dict]
+    """The rewinds this line went through, with the one this restore applied (``resume.rewind``)."""
+    skips: Skips
+    """Every sample range they pass over (``resume.skips``)."""
 
 
 class Restorer:
@@ -146,10 +152,15 @@ class Restorer:
         expected = Expectation.from_dict(manifest.expectation, source=source)
         # Config first: a changed global batch or seed is named before anything is loaded.
         compare_config(manifest.config, self.settings.recorded_config())
+        # A rewind to this checkpoint (resume rewind): its accepted names and skips apply now.
+        rewind = self.coll.on_rank0(lambda: pending_rewind(self.run, manifest))
+        rewinds = list(manifest.rewinds) + ([_carried(rewind)] if rewind is not None else [])
+        skips = Skips([tuple(r) for rw in rewinds for r in rw.get("skips", [])])
         declared_schedule = self.adapter.describe_schedule()
         # Then the optimizers' structure and every setting, still before anything is loaded.
-        accepted = self._check_settings(expected, declared_schedule)
-        self._load_objects(manifest, accepted)
+        accepted = self._check_settings(expected, declared_schedule,
+                                        extra=rewind.get("accept", []) if rewind is not None else ())
+        self._load_objects(manifest, accepted, skips)
         state = TrainState.from_dict(manifest.train_state.to_dict(), source=source)
         state.check_invariants(global_batch=self.settings.global_batch, where=source)
         check_counters(self.adapter, state, applied=True, where=f"restore of {step_dir}")
@@ -164,11 +175,15 @@ class Restorer:
         saved_world = int(manifest.topology.get("world_size", 1))
         # Rank 0 alone holds every rank's part (``expectation_now``): it compares, and its
         # verdict (a ContinuityError with its fields) is every rank's.
-        self.coll.on_rank0(lambda: compare(expected, actual, resized=saved_world != self.coll.world_size))
+        def check() -> None:
+            if rewind is not None:
+                expect_declared_break(expected, actual, rewind)
+            compare(expected, actual, resized=saved_world != self.coll.world_size)
+        self.coll.on_rank0(check)
         return Restored(manifest, state, expected,
-                        list(manifest.changes) + [c.record(manifest.step) for c in accepted])
+                        list(manifest.changes) + [c.record(manifest.step) for c in accepted], rewinds, skips)
 
-    def _load_objects(self, manifest: Manifest, accepted: list[Change]) -> None:
+    def _load_objects(self, manifest: Manifest, accepted: list[Change], skips: Skips) -> None:
         """Rank state read and agreed on first (a bad file on one rank fails every rank instead
         of leaving the others in a collective), then the shards, then the local state."""
         step_dir = self.run.dirname(manifest.step)
@@ -181,6 +196,8 @@ class Restorer:
 
         def load_local() -> None:
             # Data before RNG: a restored loader must not draw from the restored generators.
+            if skips:  # before the loader's position: a loader may fetch ahead as it is restored
+                self.adapter.skip_samples(skips)
             with _damage_as_corrupt(f"{self.run.storage.url(step_dir)}: rank state"):
                 self.adapter.load_state_dict(rank_state["adapter"])
                 self.adapter.load_data_state(rank_state["data"])
@@ -191,16 +208,19 @@ class Restorer:
         self.coll.agree(load_local, f"restore of {step_dir}")
         self.prepared = self._rank_state = None
 
-    def _check_settings(self, expected: Expectation, declared_schedule: list[dict]) -> list[Change]:
+    def _check_settings(self, expected: Expectation, declared_schedule: list[dict], *,
+                        extra: Any = ()) -> list[Change]:
         """Structure and settings of the code against the checkpoint: a structure mismatch or a
-        changed setting that was not accepted raises ContinuityError; the accepted changes."""
+        changed setting that was not accepted (``extra``: by a rewind) raises ContinuityError; the
+        accepted changes."""
+        accept = AcceptChanges(self.accept.names + tuple(extra))
         changes = schedule_changes(expected.schedule, declared_schedule)
         if expected.structure:  # not recorded by an older resume
             live = self.adapter.describe_structure()
             check_structure(expected.structure, live)
             changes = setting_changes(expected.structure, live) + changes
         for change in changes:
-            if not self.accept.accepts(change.item):
+            if not accept.accepts(change.item):
                 raise refuse(change)
         if changes and self.coll.rank == 0:
             for change in changes:
@@ -374,6 +394,11 @@ def _damage_as_corrupt(where: str) -> Iterator[None]:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {clip(str(e), 200)}") from e
+
+
+def _carried(rewind: dict) -> dict:
+    """What every later manifest keeps of a rewind (its record less the bookkeeping)."""
+    return {k: rewind[k] for k in ("n", "to", "from", "skips", "accept", "reason", "time") if k in rewind}
 
 
 def _moves_lr(item: str) -> bool:

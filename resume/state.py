@@ -27,16 +27,22 @@ class TrainState:
     """Iterations whose optimizer update was applied; the scheduler advances only on these."""
     updates_skipped: int = 0
     """Iterations whose update was skipped; their samples still count as read."""
+    samples_skipped: int = 0
+    """Samples read from the stream and not trained on: passed over by a rewind's declared skip
+    (``resume rewind --skip-samples``). Counted in ``samples_read`` too, so ``samples_read`` is
+    the data position (the next batch starts there) and the run's own sample numbering."""
     tokens_read: int | None = None
     """Optional: input tokens read."""
     tokens_in_loss: int | None = None
     """Optional: tokens that took part in the loss (padding and masked positions excluded)."""
 
     def advance(self, *, applied: bool, samples: int, tokens: int | None = None,
-                tokens_in_loss: int | None = None) -> None:
-        """Count one iteration: successful when ``applied``, skipped otherwise."""
+                tokens_in_loss: int | None = None, passed_over: int = 0) -> None:
+        """Count one iteration: successful when ``applied``, skipped otherwise. ``passed_over``:
+        samples a declared skip passed over before this batch (read, not trained on)."""
         self.iteration += 1
-        self.samples_read += samples
+        self.samples_read += samples + passed_over
+        self.samples_skipped += passed_over
         if applied:
             self.updates_successful += 1
         else:
@@ -48,7 +54,7 @@ class TrainState:
 
     def check_invariants(self, *, global_batch: int | None = None, where: str = "train state") -> None:
         """Raise InvariantError naming the counter when the counters contradict each other."""
-        for name in ("iteration", "samples_read", "updates_successful", "updates_skipped"):
+        for name in ("iteration", "samples_read", "updates_successful", "updates_skipped", "samples_skipped"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise InvariantError(f"{where}: {name}: expected a non-negative integer, actual {short(value)}")
@@ -57,11 +63,12 @@ class TrainState:
             raise InvariantError(
                 f"{where}: iteration: expected updates_successful + updates_skipped = {number(total)}, "
                 f"actual {number(self.iteration)}")
-        if global_batch is not None and self.samples_read != self.iteration * global_batch:
+        if global_batch is not None and self.samples_read != self.iteration * global_batch + self.samples_skipped:
+            skipped = f" + samples_skipped {number(self.samples_skipped)}" if self.samples_skipped else ""
             raise InvariantError(
-                f"{where}: samples_read: expected iteration x global_batch = "
-                f"{number(self.iteration)} x {number(global_batch)} = "
-                f"{number(self.iteration * global_batch)}, actual {number(self.samples_read)}")
+                f"{where}: samples_read: expected iteration x global_batch{' + samples_skipped' if skipped else ''} = "
+                f"{number(self.iteration)} x {number(global_batch)}{skipped} = "
+                f"{number(self.iteration * global_batch + self.samples_skipped)}, actual {number(self.samples_read)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -100,7 +100,7 @@ def test_storage_that_refuses_a_read_stops_the_restore_and_moves_nothing(run_dir
         coord.restore()
     coord.close()
     monkeypatch.undo()
-    assert sorted(os.listdir(run_dir)) == ["LATEST", "run.json", "step-000000003", "step-000000006"]
+    assert sorted(os.listdir(run_dir)) == ["LATEST", "journal", "run.json", "step-000000003", "step-000000006"]
     assert Run.open(run_dir).committed_steps() == [3, 6]
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import xxhash
 
-__all__ = ["describe_batch"]
+__all__ = ["batch_ids", "describe_batch"]
 
 
 def describe_batch(batch: Any) -> list[tuple[int, str]]:
@@ -28,6 +28,17 @@ def describe_batch(batch: Any) -> list[tuple[int, str]]:
                 h.update(f[row].detach().cpu().contiguous().numpy().tobytes())
         out.append((int(ids[row]) if ids is not None else -1 - row, h.hexdigest()))
     return out
+
+
+def batch_ids(batch: Any) -> list[int] | None:
+    """The sample ids ``batch`` carries (as ``describe_batch`` finds them), no content read."""
+    if isinstance(batch, dict):
+        key = next((k for k in _ID_KEYS if k in batch), None)
+        return torch.as_tensor(batch[key]).reshape(-1).tolist() if key is not None else None
+    if (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)
+            and batch[0].dim() == 1 and not batch[0].is_floating_point() and batch[0].dtype != torch.bool):
+        return batch[0].tolist()
+    return None
 
 
 _ID_KEYS = ("ids", "sample_ids", "index")
