@@ -388,10 +388,11 @@ class JournalView:
 
 
 def read_journal(storage: Storage, newest: dict | None, *, source: str,
-                 abandoned_branches: list[tuple[str, str, dict | None]] = ()) -> JournalView:
+                 abandoned_branches: list[tuple[str, str, dict | None, int]] = ()) -> JournalView:
     """Every branch: the main line sealed by ``newest`` (the newest committed manifest's journal
     entry), records after it still open, records lost in crashes, and each rewind's abandoned
-    line (``abandoned_branches``: (name, directory, its newest journal entry))."""
+    line (``abandoned_branches``: (name, directory, its newest journal entry, the step it left the
+    main line at))."""
     records, problems = read_segment_chain(storage, newest, source=source)
     branches = [Branch("main", records, problems=problems)]
     last = records[-1]["it"] if records else 0
@@ -405,8 +406,9 @@ def read_journal(storage: Storage, newest: dict | None, *, source: str,
             found, bad = _read_records(storage, path)
             branches.append(Branch(f"lost {name[len('lost-after-'):-len('.jsonl')]}", found, abandoned=True,
                                    problems=bad, note=f"{name}: updates a crash lost (after the checkpoint restored)"))
-    for name, directory, entry in abandoned_branches:
+    for name, directory, entry, after in abandoned_branches:
         found, bad = read_segment_chain(storage, entry, source=source, base=directory)
+        found = [r for r in found if r["it"] > after]  # before it, the line is the main one
         for open_name in _names(storage, join(directory, JOURNAL_DIR)):
             if open_name.startswith(("open-", "lost-after-")):
                 more, worse = _read_records(storage, join(directory, JOURNAL_DIR, open_name))

@@ -33,7 +33,7 @@ from typing import Any
 
 from .changes import AcceptChanges
 from .errors import CheckpointNotFoundError, ContinuityError, ManifestError, ResumeError, UsageError
-from .journal import JOURNAL_DIR, read_segment_chain
+from .journal import JOURNAL_DIR
 from .lease import Lease
 from .manifest import Manifest
 from .run import Run, utc_now
@@ -321,8 +321,9 @@ def _dump(record: dict) -> bytes:
     return (json.dumps(record, indent=1, allow_nan=False) + "\n").encode()
 
 
-def abandoned_branches(run: Run) -> list[tuple[str, str, dict | None, list[int]]]:
-    """(name, directory, its newest journal entry, the steps in it) of each rewind's branch."""
+def abandoned_branches(run: Run) -> list[tuple[str, str, dict | None, int, list[int]]]:
+    """(name, directory, its newest journal entry, the step it left the main line at, the steps in
+    it) of each rewind's branch."""
     out = []
     for record in read_rewinds(run):
         directory = record.get("branch") or branch_dir(record["n"])
@@ -335,10 +336,7 @@ def abandoned_branches(run: Run) -> list[tuple[str, str, dict | None, list[int]]
             step = run.layout.parse(name)
             if step is not None:
                 steps.append(step)
-        out.append((f"rewind {record['n']}", directory, record.get("journal"), sorted(steps)))
+        out.append((f"rewind {record['n']}", directory, record.get("journal"), record["to"], sorted(steps)))
     return out
 
 
-def records_of(run: Run, entry: dict | None) -> list[dict]:
-    records, _ = read_segment_chain(run.storage, entry, source=run.url)
-    return records

@@ -156,15 +156,20 @@ def ls_command(run_url: str, as_json: bool) -> int:
     for r in results:
         r.examine_framework(run)
     holder = read_holder(run.storage)
+    abandoned = show.abandoned(run)
     if as_json:
         emit_json({"run": run.url, "layout": run.layout.name, "latest_hint": run.latest_hint(),
                    "lease": show.lease_record(holder),
-                   "checkpoints": [show.listed(run, r) for r in results]})
+                   "checkpoints": [show.listed(run, r) for r in results], "abandoned": abandoned})
         return EXIT_OK if results else EXIT_NOTHING
     if not results:
         click.echo(f"resume: error: {run.url}: expected checkpoints, actual none", err=True)
         return EXIT_NOTHING
     show.listing(run, results, holder)
+    for branch in abandoned:
+        click.echo(f"abandoned by rewind {branch['rewind']} (to step {branch['to']}, {branch['time']}: "
+                   f"{branch['reason']}): steps {branch['steps'] or 'none'} in {branch['directory']} "
+                   "(kept; never restored or deleted)")
     return EXIT_OK
 
 

@@ -20,7 +20,7 @@ def run_journal(run: Run) -> tuple[JournalView, list[int]]:
     """Every branch of the run's journal, and the main line's committed steps (ascending)."""
     committed = run.committed_steps()
     newest = run.read_manifest(committed[-1]) if committed else None
-    branches = [(name, directory, entry) for name, directory, entry, _ in abandoned_branches(run)]
+    branches = [(name, directory, entry, to) for name, directory, entry, to, _ in abandoned_branches(run)]
     view = read_journal(run.storage, newest.journal if newest is not None else None,
                         source=run.storage.url(run.manifest_path(newest.step)) if newest else run.url,
                         abandoned_branches=branches)
@@ -65,8 +65,13 @@ def journal(run_url: str, first: int | None, last: int | None, spikes: bool, win
     def shown(r: dict) -> bool:
         return (first is None or r["it"] >= first) and (last is None or r["it"] <= last)
     if spikes:
-        found = [(b, s) for b in view.branches for s in find_spikes(b.records, SpikeRule(window=window))
-                 if shown(s["record"])]
+        found = []
+        for b in view.branches:
+            # A branch other than the main line goes on from the main line's records before it.
+            start = b.records[0]["it"] if b.records else 0
+            context = [r for r in view.main.records if r["it"] < start] if b is not view.main else []
+            found += [(b, s) for s in find_spikes(context + b.records, SpikeRule(window=window))
+                      if shown(s["record"]) and s["record"]["it"] >= start]
         return _spikes(run, found, committed, as_json)
     rows = [(b, r) for b, r in view.all_records() if shown(r)]
     if as_json:

@@ -17,7 +17,7 @@ from ..stragglers import describe
 from ..verify import Verdict
 from .common import emit_json
 
-__all__ = ["counter_list", "framework_save", "human_bytes", "lease_record", "listed", "listing",
+__all__ = ["abandoned", "counter_list", "framework_save", "human_bytes", "lease_record", "listed", "listing",
            "manifest", "shown", "verdict"]
 
 
@@ -118,6 +118,24 @@ def listed(run: Run, r: CheckResult) -> dict[str, Any]:
             "created_at": r.manifest.created_at if r.manifest else None}
 
 
+def abandoned(run: Run) -> list[dict[str, Any]]:
+    """Each rewind's abandoned branch: its checkpoints (moved, kept), for ``ls``."""
+    from ..rewind import read_rewinds
+
+    out = []
+    for record in read_rewinds(run):
+        directory = record.get("branch") or f"abandoned/rewind-{record['n']:04d}"
+        try:
+            names = run.storage.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+        steps = sorted(s for s in (run.layout.parse(n) for n in names) if s is not None)
+        out.append({"rewind": record["n"], "to": record["to"], "reason": record.get("reason", ""),
+                    "time": record.get("time", ""), "skips": record.get("skips", []),
+                    "directory": run.storage.url(directory), "steps": steps, "done": record.get("done", True)})
+    return out
+
+
 def lease_record(holder: Holder | None) -> dict[str, Any] | None:
     """The lease for ``ls --json``: its holder, its heartbeat's age, why it is gone (None: live)."""
     if holder is None:
@@ -164,8 +182,9 @@ def _manifest_header(run: Run, m: Manifest) -> None:
                    f"{shown(adopted.get('by'))} (not recorded: {shown(adopted.get('not_recorded'))})")
     else:
         click.echo(f"  written by    {m.adapter} at {m.created_at}")
-    click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}, "
-               f"updates {s.updates_successful} successful / {s.updates_skipped} skipped")
+    click.echo(f"  counters      iteration {s.iteration}, samples read {s.samples_read}"
+               + (f" ({s.samples_skipped} of them skipped by a rewind)" if s.samples_skipped else "")
+               + f", updates {s.updates_successful} successful / {s.updates_skipped} skipped")
     framework = run.layout.framework_counters(run, CheckResult(step=m.step, manifest=m))
     if framework:
         click.echo(f"  {run.layout.name:<13} " + counter_list(framework))
@@ -175,6 +194,13 @@ def _manifest_header(run: Run, m: Manifest) -> None:
     click.echo("  complete      " + ("yes (the run's last checkpoint)" if m.complete else "no"))
     if m.stragglers is not None:  # measured since the previous save (resume.stragglers)
         click.echo(f"  stragglers    {describe(m.stragglers)}")
+    j = m.journal
+    click.echo("  journal       " + (f"{j.get('records')} records up to iteration {j['step']} sealed in {j['segment']} "
+                                     f"({j['checksum']})" if j else "none"))
+    for rw in m.rewinds:
+        click.echo(f"  rewind {rw['n']:<6} to step {rw['to']} from {shown(rw.get('from'))} at {shown(rw.get('time'))}: "
+                   f"{shown(rw.get('reason'))}; skipped {rw.get('skips') or 'nothing'}; accepted "
+                   f"{rw.get('accept') or 'nothing'}")
     click.echo(f"  changes       {len(m.changes) or 'none'}")
     for change in m.changes:
         item = change["item"] if change["item"].isprintable() else shown(change["item"])
