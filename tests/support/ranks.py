@@ -52,7 +52,10 @@ def end_like_slurm(jobs: list[list], *, grace_s: float, timeout_s: float) -> boo
             if overdue or job in first_death and now - first_death[job] > grace_s:
                 for p in procs:
                     if p.is_alive():
-                        os.kill(p.pid, signal.SIGKILL)
+                        try:
+                            os.kill(p.pid, signal.SIGKILL)
+                        except ProcessLookupError:  # it ended between the look and the kill
+                            pass
         time.sleep(0.02)
     for procs in jobs:
         for p in procs:
