@@ -110,8 +110,11 @@ class Journal:
         manifest's segment; records a crash left beyond ``step`` are kept as lost. The lost files
         written."""
         self._prev = restored
-        lost = _keep_lost(self.storage, -1 if step is None else step)
-        return lost
+        try:
+            return _keep_lost(self.storage, -1 if step is None else step)
+        except OSError as e:  # the journal never stops training: the files stay for the next look
+            log.warning("resume: %s: cannot look at the journal a launch left: %s", self.storage.url(JOURNAL_DIR), e)
+            return []
 
     def record(self, record: dict) -> None:
         line = _line(record)

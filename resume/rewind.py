@@ -165,14 +165,6 @@ def plan_rewind(run: Run, *, to: int, skips: list[tuple[int, int]] = (), accept:
     if not reason or not reason.strip():
         raise UsageError("--reason: expected why the run is rewound (it is recorded), actual nothing")
     AcceptChanges.parse(list(accept), env={})
-    result = run.check(to)
-    if result.manifest is None and not result.has_manifest and to not in run.step_dirs():
-        raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
-                                      f"actual no such step (committed: {run.committed_steps()[-8:]})")
-    if not result.committed:
-        raise RewindRefused(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
-                            f"actual {result.status}: {clip(result.reason, 300)}")
-    manifest = result.manifest
     records = read_rewinds(run)
     n = records[-1]["n"] + 1 if records else 1
     resumed = records[-1] if records and not records[-1].get("done", True) else None
@@ -181,6 +173,14 @@ def plan_rewind(run: Run, *, to: int, skips: list[tuple[int, int]] = (), accept:
             raise RewindRefused(f"{run.storage.url(_record_name(resumed['n']))}: to: an interrupted rewind to "
                                 f"{resumed['to']} must be finished first (run it again), actual --to {to}")
         n = resumed["n"]
+    result = run.check(to)
+    if result.manifest is None and not result.has_manifest and to not in run.step_dirs():
+        raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
+                                      f"actual no such step (committed: {run.committed_steps()[-8:]})")
+    if not result.committed:
+        raise RewindRefused(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
+                            f"actual {result.status}: {clip(result.reason, 300)}")
+    manifest = result.manifest
     later = [s for s in run.step_dirs() if s > to]
     plan = RewindPlan(to=manifest, n=n, skips=Skips(skips), accept=list(accept), reason=reason.strip()[:_REASON_CAP],
                       resumed=resumed, newest=later[-1] if later else to)
