@@ -7,13 +7,13 @@ import torch.distributed as dist
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import TinyGPT, warmup_cosine
-from resume.rewind import apply_rewind, plan_rewind
 from support.ranks import run_ranks
 from support.workloads import moment_digests, next_token_loss, param_digests
 from test_rewind import CFG, GB, POISON_AT, Poisoned, poisoned_ids
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resume import Coordinator, Run
+from resume.rewind import apply_rewind, plan_rewind
 
 SKIP = [(POISON_AT, POISON_AT + GB)]
 

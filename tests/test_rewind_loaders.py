@@ -11,12 +11,12 @@ import torch
 from resume.adapters.data import GlobalPositionSampler, IndexedDataset, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import TinyGPT, warmup_cosine
-from resume.rewind import RewindRefused, apply_rewind, plan_rewind
 from support.cli import resume
 from support.workloads import next_token_loss
 from test_rewind import CFG, GB, Poisoned, poisoned_ids
 
 from resume import ContinuityError, Coordinator, Run, UsageError
+from resume.rewind import RewindRefused, apply_rewind, plan_rewind
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -97,7 +97,8 @@ def test_a_batch_that_is_not_the_one_after_the_skip_is_refused(tmp_path):
     apply_rewind(r, plan_rewind(r, to=9, skips=[(36, 40)], reason="x", journal_records=records))
     # The record says which batch the run read at 40; a loader that skipped elsewhere is refused.
     path = os.path.join(run, "rewinds", "rewind-0001.json")
-    body = json.load(open(path))
+    with open(path) as f:
+        body = json.load(f)
     body["expect_next"]["ids"] = [i + 1000 for i in body["expect_next"]["ids"]]
     with open(path, "w") as f:
         json.dump(body, f)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from filelock import FileLock
 
