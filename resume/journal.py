@@ -16,8 +16,9 @@ of rank 0's share of the batch (``ids_n`` its size) or, for a batch that carries
 
 Files, under the run::
 
-    journal/open-<stamp>-<pid>.jsonl     this launch's records as they happen (rank 0, appended,
-                                         never fsynced): what a crash leaves behind
+    journal/open-<stamp>-<pid>.jsonl     the records since the last seal, as they happen (rank 0,
+                                         appended, never fsynced; a new file after each seal): what
+                                         a crash leaves behind
     journal/sealed-<step>.jsonl          the records up to a checkpoint, written by its commit;
                                          its first line names the previous segment and checksum,
                                          the manifest's ``journal`` names this one: a chain
@@ -58,7 +59,7 @@ RECORD_IDS = 32
 RECORD_CAP = 2048
 """Bytes per record at most (a record past it keeps its counters and drops ids and extras)."""
 SEGMENT_CAP = 256 << 20
-OPEN_CAP = 1 << 30
+OPEN_CAP = 64 << 20
 SCHEMA = "resume.journal"
 _REMOTE_FLUSH_S = 30.0
 
@@ -120,7 +121,7 @@ class Journal:
         line = _line(record)
         with self._lock:
             self._pending.append((record["it"], line))
-        self._write_open(line)
+            self._write_open(line)
 
     def _write_open(self, line: bytes) -> None:
         if self._broken:
@@ -158,11 +159,11 @@ class Journal:
 
     def close(self) -> None:
         """The launch ends: the open file goes once every record in it is sealed."""
-        self.flush()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
         with self._lock:
+            self.flush()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             sealed = not self._pending
         if sealed:
             try:
@@ -193,8 +194,26 @@ class Journal:
         with self._lock:
             self._prev = entry
             self._pending = [(it, line) for it, line in self._pending if it > step]
-        self.flush()
+            self._rotate()
         return entry
+
+    def _rotate(self) -> None:
+        """After a seal (under the lock): a new open file holding only the records not sealed, and
+        the old one gone, so that an open file never holds more than one save interval."""
+        old, fd = self._open_name, self._fd
+        self._open_name = join(JOURNAL_DIR, f"open-{_stamp()}-{os.getpid()}.jsonl")
+        self._fd, self._unflushed = None, []
+        if fd is not None:
+            os.close(fd)
+        for _, line in self._pending:
+            self._write_open(line)
+        if self._unflushed:
+            self.flush()
+        try:
+            if self.storage.exists(old):
+                self.storage.delete(old)
+        except OSError as e:
+            log.warning("resume: cannot remove %s: %s", self.storage.url(old), e)
 
 
 class UpdateRecorder:

@@ -155,6 +155,10 @@ class Restorer:
         # A rewind to this checkpoint (resume rewind): its accepted names and skips apply now.
         rewind = self.coll.on_rank0(lambda: pending_rewind(self.run, manifest))
         rewinds = list(manifest.rewinds) + ([_carried(rewind)] if rewind is not None else [])
+        if rewind is not None and self.coll.rank == 0:
+            log.warning("resume: applying rewind %d to %s (%s): skipping samples %s, accepting %s", rewind["n"],
+                        step_dir, clip(rewind.get("reason", ""), 200), rewind.get("skips") or "none",
+                        rewind.get("accept") or "nothing")
         skips = Skips([tuple(r) for rw in rewinds for r in rw.get("skips", [])])
         declared_schedule = self.adapter.describe_schedule()
         # Then the optimizers' structure and every setting, still before anything is loaded.

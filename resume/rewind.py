@@ -90,6 +90,8 @@ def check_rewind(record: Any, *, source: str) -> dict:
         raise bad("expect_next", "null or {at, ids}")
     if not isinstance(record.get("done", True), bool):
         raise bad("done", "true or false")
+    if record.get("branch", branch_dir(record["n"])) != branch_dir(record["n"]):
+        raise bad("branch", repr(branch_dir(record["n"])))
     return record
 
 
