@@ -51,6 +51,8 @@ ABANDONED_DIR = "abandoned"
 SCHEMA = "resume.rewind"
 _NAME = re.compile(r"^rewind-(\d{4,})\.json$")
 _REASON_CAP = 1000
+_MOVABLE = re.compile(r"^([A-Za-z0-9_.-]+|journal/[A-Za-z0-9_.-]+)$")
+"""What a rewind moves: a step directory (any layout's) or a journal file; never a path out."""
 
 
 class RewindRefused(ResumeError, RuntimeError):
@@ -90,6 +92,13 @@ def check_rewind(record: Any, *, source: str) -> dict:
         raise bad("expect_next", "null or {at, ids}")
     if not isinstance(record.get("done", True), bool):
         raise bad("done", "true or false")
+    for name in ("moved", "returned"):
+        names = record.get(name, [])
+        if not isinstance(names, list) or not all(isinstance(x, str) and _MOVABLE.match(x)
+                                                  and not {".", ".."} & set(x.split("/")) for x in names):
+            raise bad(name, "a list of step directories and journal files")
+    if record.get("from_branch") is not None and type(record["from_branch"]) is not int:
+        raise bad("from_branch", "null or a rewind's number")
     if record.get("branch", branch_dir(record["n"])) != branch_dir(record["n"]):
         raise bad("branch", repr(branch_dir(record["n"])))
     return record
@@ -152,18 +161,26 @@ class RewindPlan:
     furthest: int = 0
     resumed: dict | None = None
     """An interrupted record with the same ``to``, finished instead of a new one."""
+    source: dict | None = None
+    """With ``--branch``: the rewind whose abandoned branch holds ``to``."""
+    returns: list[str] = field(default_factory=list)
+    """With ``--branch``: names in that branch that come back to the main line."""
 
     def record(self) -> dict:
         return {"schema": SCHEMA, "n": self.n, "to": self.to.step, "from": self.newest,
+                "from_branch": self.source["n"] if self.source is not None else None,
                 "skips": self.skips.to_list(), "accept": self.accept, "reason": self.reason,
                 "time": utc_now(), "branch": branch_dir(self.n), "moved": list(self.moves),
-                "journal": self.journal, "expect_next": self.expect_next, "done": False}
+                "returned": list(self.returns), "journal": self.journal, "expect_next": self.expect_next,
+                "done": False}
 
 
 def plan_rewind(run: Run, *, to: int, skips: list[tuple[int, int]] = (), accept: list[str] = (),
-                reason: str, journal_records: list[dict] | None = None) -> RewindPlan:
+                reason: str, journal_records: list[dict] | None = None, branch: int | None = None) -> RewindPlan:
     """Everything checked, nothing changed (see the module). ``journal_records``: the run's
-    update records (``resume journal``'s), to find the ids of the batch after a skip."""
+    update records (``resume journal``'s), to find the ids of the batch after a skip. ``branch``:
+    ``to`` is a checkpoint of that rewind's abandoned branch, which becomes the main line again
+    up to ``to`` (the main line after the branch's fork point becomes a new abandoned branch)."""
     if not reason or not reason.strip():
         raise UsageError("--reason: expected why the run is rewound (it is recorded), actual nothing")
     AcceptChanges.parse(list(accept), env={})
@@ -171,25 +188,51 @@ def plan_rewind(run: Run, *, to: int, skips: list[tuple[int, int]] = (), accept:
     n = records[-1]["n"] + 1 if records else 1
     resumed = records[-1] if records and not records[-1].get("done", True) else None
     if resumed is not None:
-        if resumed["to"] != to:
+        if resumed["to"] != to or resumed.get("from_branch") != branch:
             raise RewindRefused(f"{run.storage.url(_record_name(resumed['n']))}: to: an interrupted rewind to "
                                 f"{resumed['to']} must be finished first (run it again), actual --to {to}")
         n = resumed["n"]
-    result = run.check(to)
-    if result.manifest is None and not result.has_manifest and to not in run.step_dirs():
-        raise CheckpointNotFoundError(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
-                                      f"actual no such step (committed: {run.committed_steps()[-8:]})")
-    if not result.committed:
-        raise RewindRefused(f"{run.storage.url(run.dirname(to))}: --to: expected a committed checkpoint, "
-                            f"actual {result.status}: {clip(result.reason, 300)}")
-    manifest = result.manifest
-    later = [s for s in run.step_dirs() if s > to]
+    source = _source_branch(run, records, branch)
+    home = run if source is None else Run.open(run.storage.url(source["branch"]), layout=run.layout)
+    manifest = _committed(home, to)
+    fork = to if source is None else source["to"]
+    later = [s for s in run.step_dirs() if s > fork]
     plan = RewindPlan(to=manifest, n=n, skips=Skips(skips), accept=list(accept), reason=reason.strip()[:_REASON_CAP],
-                      resumed=resumed, newest=later[-1] if later else to)
-    _check_skips(run, plan, later, journal_records or [])
-    plan.moves = [run.dirname(s) for s in later] + _segments_after(run, to)
+                      resumed=resumed, newest=later[-1] if later else to, source=source)
+    _check_skips(home, plan, [s for s in home.step_dirs() if s > to], journal_records or [])
+    plan.moves = [run.dirname(s) for s in later] + _segments_after(run, fork)
+    if source is not None:
+        plan.returns = [home.dirname(s) for s in home.step_dirs() if s <= to] + [
+            rel for rel in _segments_after(home, fork) if _sealed_step(rel) is not None and _sealed_step(rel) <= to]
     plan.journal = _newest_entry(run, later)
     return plan
+
+
+def _source_branch(run: Run, records: list[dict], branch: int | None) -> dict | None:
+    if branch is None:
+        return None
+    source = next((r for r in records if r["n"] == branch), None)
+    if source is None:
+        raise CheckpointNotFoundError(f"{run.storage.url(REWINDS_DIR)}: --branch: expected one of the rewinds "
+                                      f"{[r['n'] for r in records]}, actual {branch}")
+    return source
+
+
+def _committed(home: Run, to: int) -> Manifest:
+    result = home.check(to)
+    if result.manifest is None and not result.has_manifest and to not in home.step_dirs():
+        raise CheckpointNotFoundError(f"{home.storage.url(home.dirname(to))}: --to: expected a committed checkpoint, "
+                                      f"actual no such step (committed: {home.committed_steps()[-8:]})")
+    if not result.committed:
+        raise RewindRefused(f"{home.storage.url(home.dirname(to))}: --to: expected a committed checkpoint, "
+                            f"actual {result.status}: {clip(result.reason, 300)}")
+    assert result.manifest is not None
+    return result.manifest
+
+
+def _sealed_step(rel: str) -> int | None:
+    m = re.match(r"^journal/sealed-(\d{9,})\.jsonl$", rel)
+    return int(m.group(1)) if m else None
 
 
 def _check_skips(run: Run, plan: RewindPlan, later: list[int], records: list[dict]) -> None:
@@ -296,16 +339,17 @@ def apply_rewind(run: Run, plan: RewindPlan, *, lease_ttl_s: float = 600.0) -> d
     lease = Lease(run.storage, ttl_s=lease_ttl_s, job_id=f"resume-rewind:{socket.gethostname()}:{os.getpid()}")
     lease.acquire()  # RunBusyError (exit 1) while a job holds the run
     try:
+        # An interrupted rewind finishes the moves it recorded (some are done: they are passed).
         record = dict(plan.resumed) if plan.resumed is not None else plan.record()
         name = _record_name(plan.n)
         run.storage.makedirs(REWINDS_DIR)
         run.storage.write_bytes_atomic(name, _dump(record))
-        branch = record["branch"]
-        for rel in plan.moves:
-            target = join(branch, rel)
-            if run.storage.exists(rel) and not run.storage.exists(target):
-                run.storage.makedirs(target.rsplit("/", 1)[0])
-                run.storage.rename(rel, target)
+        for rel in record["moved"]:  # the main line after the fork: out first
+            _move(run, rel, join(record["branch"], rel))
+        if record.get("from_branch") is not None:
+            source = branch_dir(record["from_branch"])
+            for rel in record.get("returned", []):  # then the branch's checkpoints up to --to: back in
+                _move(run, join(source, rel), rel)
         if run.layout.latest:
             run.point_latest(plan.to.step)
         else:  # the framework's own pointer (Megatron's tracker file) names the checkpoint restored
@@ -313,10 +357,18 @@ def apply_rewind(run: Run, plan: RewindPlan, *, lease_ttl_s: float = 600.0) -> d
         record["done"] = True
         run.storage.write_bytes_atomic(name, _dump(record))
         log.warning("resume: %s: rewound to %s (%s); %d entries moved to %s", run.url, run.dirname(plan.to.step),
-                    record["reason"], len(plan.moves), run.storage.url(branch))
+                    record["reason"], len(record["moved"]), run.storage.url(record["branch"]))
         return record
     finally:
         lease.release()
+
+
+def _move(run: Run, source: str, target: str) -> None:
+    """``source`` to ``target`` unless done already; never over something there."""
+    if run.storage.exists(source) and not run.storage.exists(target):
+        if "/" in target:
+            run.storage.makedirs(target.rsplit("/", 1)[0])
+        run.storage.rename(source, target)
 
 
 def _dump(record: dict) -> bytes:

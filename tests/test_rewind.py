@@ -211,3 +211,24 @@ def test_a_rewind_while_a_job_holds_the_run_is_refused(spiked):
         assert not os.path.exists(os.path.join(run, "abandoned"))
     finally:
         coord.close()
+
+
+def test_a_later_rewind_goes_back_to_a_checkpoint_of_the_abandoned_branch(spiked):
+    run, _ = spiked
+    assert resume("rewind", run, "--to", "9", "--skip-samples", "40:44", "--reason", "skip it").returncode == 0
+    coord, model, opt = job(run)
+    coord.restore()
+    train(coord, model, opt, until=15)  # the new line saves 12 and 15 again
+    new_12 = Run.open(run).read_manifest(12).created_at
+    proc = resume("rewind", run, "--to", "12", "--branch", "1", "--reason", "the spike was harmless after all")
+    assert proc.returncode == 0, proc.stderr
+    r = Run.open(run)
+    assert r.committed_steps() == [3, 6, 9, 12] and r.read_manifest(12).rewinds == []  # rewind 1's branch
+    listing = {a["rewind"]: a["steps"] for a in json.loads(resume("ls", run, "--json").stdout)["abandoned"]}
+    assert listing == {1: [15], 2: [12, 15]}
+    assert Run.open(os.path.join(run, "abandoned", "rewind-0002")).read_manifest(12).created_at == new_12
+    coord, model, opt = job(run)
+    coord.restore()
+    assert coord.restored_from == 12 and [rw["n"] for rw in coord.rewinds] == [2]
+    assert coord.state.samples_skipped == 0 and coord.state.samples_read == 12 * GB
+    coord.close()

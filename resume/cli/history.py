@@ -155,12 +155,15 @@ def _batches_as_samples(batches: list[tuple[int, int]], view: JournalView) -> li
               help="Pass over samples [START, END) of the run's sample numbering (journal `at`); repeatable.")
 @click.option("--skip-batches", multiple=True, metavar="I:J",
               help="Pass over the batches updates I..J-1 read (from the journal); repeatable.")
+@click.option("--branch", type=click.IntRange(min=1), default=None, metavar="N",
+              help="--to is a checkpoint of rewind N's abandoned branch (`resume ls` lists them): it becomes the "
+                   "main line again, and the main line after that branch's fork is abandoned in turn.")
 @click.option("--accept", multiple=True, metavar="NAME",
               help="A setting change the restart may make (accept_changes names: lr, warmup's schedule[0], ...).")
 @json_option
 @command
 def rewind(run_url: str, to: int, reason: str, skip_samples: tuple[str, ...], skip_batches: tuple[str, ...],
-           accept: tuple[str, ...], as_json: bool) -> int:
+           branch: int | None, accept: tuple[str, ...], as_json: bool) -> int:
     """Go back to the committed checkpoint --to, past a loss spike: the checkpoints and journal after
     it move to abandoned/rewind-N/ (kept, listed by `ls`, never restored or deleted by retention);
     the next restore takes --to, passes over the skipped samples (counted as read, not trained on),
@@ -173,13 +176,16 @@ def rewind(run_url: str, to: int, reason: str, skip_samples: tuple[str, ...], sk
     view, _ = run_journal(run)
     records = [r for _, r in view.all_records()]
     skips = _ranges(skip_samples, "--skip-samples") + _batches_as_samples(_ranges(skip_batches, "--skip-batches"), view)
-    plan = plan_rewind(run, to=to, skips=skips, accept=list(accept), reason=reason, journal_records=records)
+    plan = plan_rewind(run, to=to, skips=skips, accept=list(accept), reason=reason, journal_records=records,
+                       branch=branch)
     record = apply_rewind(run, plan)
     if as_json:
         emit_json({"ok": True, "rewind": record})
         return EXIT_OK
     click.echo(f"rewound {run.url} to {run.dirname(to)} (rewind {record['n']}): {record['reason']}")
     click.echo(f"  abandoned     {len(record['moved'])} entries moved to {run.storage.url(record['branch'])}")
+    if record.get("from_branch") is not None:
+        click.echo(f"  returned      {len(record['returned'])} entries of rewind {record['from_branch']}'s branch")
     click.echo(f"  skipped       {record['skips'] or 'nothing'}")
     click.echo(f"  accepted      {record['accept'] or 'nothing'}")
     nxt = record.get("expect_next")
