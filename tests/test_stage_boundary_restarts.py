@@ -106,10 +106,34 @@ def test_killed_around_the_untie_ends_bitwise_like_an_uninterrupted_run(tmp_path
         assert final["params"] == ref_final["params"]
         assert final["moments"] == ref_final["moments"]
         assert final["stage"] == 1 and final["iteration"] == st.ITERATIONS
+    _journal_is_what_the_trainer_did(run, reference[0][0], lost=range(expect_restored + 1, kill_at + 1))
     if name == "at":
         # The param group the untie adds in the first update is named in the log, not refused.
         added = [line for line in logs[0].splitlines() if "param groups added since the checkpoint" in line]
         assert added and "optimizer[0].group[2] 'embed'" in added[0]
+
+
+def _journal_is_what_the_trainer_did(run: str, trace: list[dict], *, lost: range) -> None:
+    """The update journal holds, for every iteration, what rank 0's trainer did: applied or
+    skipped, the LR it set by hand on every group of both optimizers (the untie's new group
+    included), its loss; the iterations the kill lost are kept as a lost branch."""
+    from resume.journal import read_journal
+    from resume.run import Run
+
+    r = Run.open(run)
+    view = read_journal(r.storage, r.read_manifest(r.committed_steps()[-1]).journal, source=run)
+    expected = by_iteration(trace)
+    # Sealed up to the last checkpoint (12); the updates after it are still open (no save at the end).
+    main = {rec["it"]: rec for b in view.branches if b.name in ("main", "unsealed") for rec in b.records}
+    assert [rec["it"] for rec in view.main.records] == list(range(1, 13)) and not view.main.problems
+    assert sorted(main) == list(range(1, st.ITERATIONS + 1))
+    for it, rec in main.items():
+        assert rec["ok"] == (it not in st.SKIP) and rec["loss"] == float.fromhex(expected[it]["loss"])
+        assert rec.get("lr") == ([float.fromhex(x) for x in expected[it]["lr"]] if rec["ok"] else None)
+        assert rec["ids"] == expected[it]["ids"] and rec["at"] == (it - 1) * st.GLOBAL_BATCH
+    lost_records = [rec for b in view.branches if b.name.startswith("lost") for rec in b.records]
+    assert [rec["it"] for rec in lost_records] == list(lost)
+    assert all(rec["loss"] == main[rec["it"]]["loss"] for rec in lost_records)
 
 
 def test_a_stage_one_checkpoint_restored_into_stage_zero_code_names_the_structure(tmp_path):

@@ -157,7 +157,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         trace({"iteration": iteration, "loss": loss.item().hex(), "lr": [float(x).hex() for x in lrs],
                "ids": batch["ids"].tolist(), "stage": self.stage})
-        coord.update(applied=applied)
+        coord.update(applied=applied, loss=loss.item())
 
     def final_state(self) -> dict:
         from resume.drill.worker import tensor_digest
