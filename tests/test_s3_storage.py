@@ -93,3 +93,26 @@ def test_wrong_or_missing_credentials_are_one_line_exit_3_without_retrying(s3, m
 def test_unknown_url_scheme_names_the_package_to_install(tmp_path):
     proc = resume("ls", "gs://bucket/run", timeout=120)
     assert proc.returncode == 2 and "pip install gcsfs" in proc.stderr, proc.stderr
+
+
+def test_journal_and_rewind_on_an_object_store(s3):
+    """The journal's open records go up at each seal and at close (an object cannot be appended
+    to); the rewind's moves are copies and deletes there; all through the faulty proxy."""
+    from support.workloads import Setup, build, train
+
+    coord, parts = build(0, 1, RUN, Setup(every=3))
+    coord.restore()
+    train(coord, parts, until=7, skip={2})  # saves at 3 and 6; 7 is not sealed
+    coord.close()
+    out = json.loads(resume("journal", RUN, "--json", timeout=300).stdout)
+    branches = {b["name"]: [r["it"] for r in b["records"]] for b in out["branches"]}
+    assert branches == {"main": [1, 2, 3, 4, 5, 6], "unsealed": [7]}
+    assert [r["ok"] for r in out["branches"][0]["records"]] == [True, False, True, True, True, True]
+    proc = resume("rewind", RUN, "--to", "3", "--reason", "on s3", "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    coord, parts = build(0, 1, RUN, Setup(every=3))
+    coord.restore()
+    assert coord.restored_from == 3 and coord.rewinds[0]["n"] == 1
+    coord.close()
+    listing = json.loads(resume("ls", RUN, "--json", timeout=300).stdout)
+    assert [c["step"] for c in listing["checkpoints"]] == [3] and listing["abandoned"][0]["steps"] == [6]
