@@ -133,10 +133,12 @@ def _ranges(values: tuple[str, ...], option: str) -> list[tuple[int, int]]:
 
 
 def _batches_as_samples(batches: list[tuple[int, int]], view: JournalView) -> list[tuple[int, int]]:
-    """``--skip-batches I:J``: the samples the updates I..J-1 read, from the journal's records."""
+    """``--skip-batches I:J``: the samples the updates I..J-1 read, from the journal's records: the
+    main line's (sealed, unsealed, lost in a crash) before an abandoned branch's."""
     by_iteration: dict[int, dict] = {}
-    for _, r in view.all_records():  # a later branch's record of the same iteration wins
-        by_iteration[r["it"]] = r
+    for branch in reversed(view.branches):  # main first in the view: its record wins
+        for r in branch.records:
+            by_iteration[r["it"]] = r
     out = []
     for i, j in batches:
         missing = [k for k in range(i, j) if k not in by_iteration][:5]
