@@ -36,7 +36,7 @@ from .errors import (
     ResumeError,
 )
 from .manifest import Manifest
-from .rewind import expect_declared_break, pending_rewind
+from .rewind import carried, expect_declared_break, pending_rewind
 from .rng import RngRegistry, check_state
 from .run import Run
 from .skips import Skips
@@ -154,7 +154,7 @@ class Restorer:
         compare_config(manifest.config, self.settings.recorded_config())
         # A rewind to this checkpoint (resume rewind): its accepted names and skips apply now.
         rewind = self.coll.on_rank0(lambda: pending_rewind(self.run, manifest))
-        rewinds = list(manifest.rewinds) + ([_carried(rewind)] if rewind is not None else [])
+        rewinds = list(manifest.rewinds) + ([carried(rewind)] if rewind is not None else [])
         if rewind is not None and self.coll.rank == 0:
             log.warning("resume: applying rewind %d to %s (%s): skipping samples %s, accepting %s", rewind["n"],
                         step_dir, clip(rewind.get("reason", ""), 200), rewind.get("skips") or "none",
@@ -398,11 +398,6 @@ def _damage_as_corrupt(where: str) -> Iterator[None]:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: {type(e).__name__}: {clip(str(e), 200)}") from e
-
-
-def _carried(rewind: dict) -> dict:
-    """What every later manifest keeps of a rewind (its record less the bookkeeping)."""
-    return {k: rewind[k] for k in ("n", "to", "from", "skips", "accept", "reason", "time") if k in rewind}
 
 
 def _moves_lr(item: str) -> bool:

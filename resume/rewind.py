@@ -42,7 +42,7 @@ from .storage import SMALL_FILE_CAP, join
 from .text import clip, parse_json, short
 
 __all__ = ["ABANDONED_DIR", "REWINDS_DIR", "RewindPlan", "RewindRefused", "abandoned_branches", "apply_rewind",
-           "check_rewind", "expect_declared_break", "pending_rewind", "plan_rewind", "read_rewinds"]
+           "carried", "check_rewind", "expect_declared_break", "pending_rewind", "plan_rewind", "read_rewinds"]
 
 log = logging.getLogger("resume")
 
@@ -286,6 +286,11 @@ def _expect_next(plan: RewindPlan, records: list[dict]) -> dict | None:
         return None  # the next batch is the recorded one: compared as always
     ids = next((r.get("ids") for r in records if r.get("at") == first and isinstance(r.get("ids"), list)), None)
     return {"at": first, "ids": [i for i in (ids or []) if type(i) is int]}
+
+
+def carried(rewind: dict) -> dict:
+    """What every later manifest keeps of a rewind (its record less the bookkeeping)."""
+    return {k: rewind[k] for k in ("n", "to", "from", "skips", "accept", "reason", "time") if k in rewind}
 
 
 def expect_declared_break(expected: Any, actual: Any, rewind: dict) -> None:

@@ -20,6 +20,7 @@ ONE_WORKER = {
     "test_megatron_adopt.py": "megatron_alone: a Megatron run without resume",
     "test_megatron_async_save.py": "killed: a Megatron async-save job",
     "test_megatron_core_continuity.py": "tp2_save: a tensor-parallel Megatron-Core save",
+    "test_megatron_journal.py": "journaled: Megatron's train() with the journal",
     "test_megatron_train_loop.py": "reference: Megatron's train() to the end",
     "test_megatron_unrecorded.py": "saves: Megatron saves without resume",
 }

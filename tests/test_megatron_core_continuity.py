@@ -95,7 +95,8 @@ def test_manifest_beside_megatron_files_counts_the_skipped_update(tp2_save):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "resume-manifest.json"} <= names
     assert set(manifest["files"]) == names - {"resume-manifest.json"}
     assert manifest["train_state"] == {"iteration": 7, "samples_read": 7 * 16, "updates_successful": 6,
-                                       "updates_skipped": 1, "tokens_read": None, "tokens_in_loss": None}
+                                       "updates_skipped": 1, "samples_skipped": 0, "tokens_read": None,
+                                       "tokens_in_loss": None}
     assert manifest["expectation"]["next_batch"]["ids"] == list(range(112, 128))
     assert manifest["topology"]["tensor_parallel"] == 2
     assert len(manifest["expectation"]["rng"]) == 2

@@ -10,6 +10,7 @@ Modules, each one job:
 - ``record``: what a manifest records beyond the files; ``vet``: pickles vetted before a load;
 - ``recorder``: ``MegatronRecorder``, the commit after each save and the checks around each
   load (``restart``); ``asyncsave``: the commit of ``--async-save`` at Megatron's finalize;
+- ``updates``: rank 0's update journal (``resume.journal``), fed from ``train_step``;
 - ``install``: ``install()``, the recorder wired into ``megatron.training``; ``watch``: the
   process watchdog (hang detection) driven from the same wrapped calls;
 - ``adopt``: ``resume megatron adopt``; ``args``: the reference run's arguments.

@@ -7,8 +7,9 @@ done: dist_checkpointing's finalize functions, then Megatron's (the tracker).
 
 - the manifest is written in Megatron's finalize step, after Megatron's own finalize
   functions: a job killed before it leaves the iteration uncommitted, passed over;
-- what the manifest says of the training (counters, next batch, LR ahead, RNG digests) is
-  taken when the save is scheduled; only the file records are taken at the finalize;
+- what the manifest says of the training (counters, next batch, LR ahead, RNG digests, the
+  update records it seals) is taken when the save is scheduled; only the file records are
+  taken at the finalize;
 - ours is appended last on every rank, so its collectives line up;
 - two saves of one iteration never write at once, and a ``resume save`` request is
   answered only once its step is committed (``maybe_wait_for_commit`` first);
@@ -56,6 +57,9 @@ class SaveSnapshot:
     """Every rank's part of the manifest but its files: counters, RNG digest (rank 0: the
     expectation); on rank 0 only (None on the others, which send theirs)."""
     started: float
+    journal_lines: list[bytes] | None = None
+    """Rank 0: the update records up to ``iteration`` not sealed yet, which its commit seals
+    (``updates``); None elsewhere or without a journal."""
 
 
 class AsyncCommits:

@@ -33,7 +33,8 @@ def install(*, recorder: MegatronRecorder | None = None, hang: HangBounds | None
     """Wire the recorder and hang detection into ``megatron.training`` (save, load, the step,
     the exit decision, the evaluation, the end of ``train()``).
 
-    Call once, before ``pretrain(...)``. Wraps, by name, in both modules that
+    Call once, before ``pretrain(...)``. The wrapped ``train_step`` also feeds rank 0's update
+    journal (``updates``), closed at the end of ``train()``. Wraps, by name, in both modules that
     bind them: ``checkpointing.save_checkpoint``/``load_checkpoint`` and
     ``training.save_checkpoint``/``load_checkpoint``/``train_step``/
     ``checkpoint_and_decide_exit``/``evaluate_and_print_results``/
@@ -155,14 +156,20 @@ class _Wiring:
         return result
 
     def train_step(self, *a: Any, **kw: Any):
-        result = self._train_step(*a, **kw)
         r = self.recorder()
+        updates = r.updates if r is not None else None  # rank 0's journal (``updates``)
+        # The LR the update applies: the scheduler steps inside train_step.
+        lrs = updates.lrs(a[3] if len(a) > 3 else kw.get("optimizer")) if updates is not None else None
+        result = self._train_step(*a, **kw)
         skipped = _skipped(result)
         if skipped is not None:
+            args = self._get_args()
             if r is not None:
                 r.count_iteration(skipped=skipped)
+            if updates is not None:  # train() adds the batch to consumed_train_samples after the step
+                updates.record(result, args, lrs, skipped=skipped)
             # train() sets curr_iteration before the step and counts it once the step returns.
-            self.watch.progress.progress(self._get_args().curr_iteration + 1)
+            self.watch.progress.progress(args.curr_iteration + 1)
         return result
 
     def evaluate_and_print_results(self, *a: Any, **kw: Any):
@@ -177,12 +184,14 @@ class _Wiring:
             return self._finalize(*a, **kw)
 
     def train(self, *a: Any, **kw: Any):
-        self.recorder()  # taken over, if no load or save came first
+        r = self.recorder()  # taken over, if no load or save came first
         self.watch.reopen()
         try:
             return self._train(*a, **kw)
         finally:  # returned, exited (sys.exit at an exit signal or duration) or failed
             self.watch.close()
+            if r is not None:
+                r.close_journal()
 
     def checkpoint_and_decide_exit(self, model, optimizer, opt_param_scheduler, iteration,
                                    num_floating_point_operations_so_far, checkpointing_context,

@@ -10,7 +10,11 @@ Megatron writes and reads its checkpoints itself (``--ckpt-format torch_dist``);
   each rank's RNG digest, config, layout);
 - around each load, the restart's checks (``restart``): the newest committed checkpoint
   whose files verify, vetted pickles, the arguments against the record, and the
-  continuity check on the live objects (``ContinuityError`` before the first iteration).
+  continuity check on the live objects (``ContinuityError`` before the first iteration);
+  a rewind to the checkpoint loaded (``resume rewind``) is applied and carried in every
+  later manifest (``rewinds``);
+- rank 0's update journal (``updates``): one record per iteration, sealed by each commit
+  (the manifest's ``journal``).
 
 Call sequence (every rank, in this order; some calls are collective):
 
@@ -20,7 +24,8 @@ Call sequence (every rank, in this order; some calls are collective):
         save -> ... -> Megatron's finalize step -> ``commit_save`` (``asyncsave``).
   load: ``before_load(args)`` -> Megatron's ``load_checkpoint`` ->
         ``after_load(iteration, args, scheduler, optimizer)``
-  each iteration (optional): ``count_iteration(skipped)``, ``poll_control()``
+  each iteration (optional): ``count_iteration(skipped)``, ``updates`` (rank 0's journal,
+        ``updates``), ``poll_control()``; the end of ``train()``: ``close_journal()``
 
 ``install()`` (``install``) wires this into ``megatron.training``.
 """
@@ -40,6 +45,7 @@ from resume.control import ControlArea, SaveRequest, poll_everywhere
 from resume.errors import InvariantError
 from resume.lease import Lease
 from resume.manifest import Manifest
+from resume.rewind import carried
 from resume.run import Run
 from resume.state import TrainState
 from resume.storage import open_storage
@@ -63,6 +69,7 @@ from .record import (
 )
 from .restart import Loaded, MegatronRestart
 from .schedule import MegatronSchedule
+from .updates import MegatronUpdates
 
 __all__ = ["MegatronRecorder"]
 
@@ -79,7 +86,8 @@ class MegatronRecorder:
     def __init__(self, save_dir: str, *, comm: Comm | None = None, lr_lookahead: int = 3,
                  verify_on_load: bool = True, accept_schedule_change: bool = False,
                  control_poll_s: float = 5.0, lease_ttl_s: float | None = 120.0,
-                 clock: Callable[[], float] = time.monotonic, watchdog: Watchdog | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, watchdog: Watchdog | None = None,
+                 journal: bool = True) -> None:
         """
         Args:
             save_dir: Megatron's ``--save`` (and ``--load``) directory, a path or fsspec URL.
@@ -96,6 +104,7 @@ class MegatronRecorder:
                 (RunBusyError) until it is this old. None: no lease.
             watchdog: whose iteration times each save records (``stragglers``); default the
                 process's (``resume.watchdog.process_watchdog``), which ``install()`` drives.
+            journal: rank 0 keeps the update journal (``updates``; ``resume journal``).
         """
         if lr_lookahead < 2:
             raise ValueError(f"lr_lookahead: expected >= 2, actual {lr_lookahead}")
@@ -116,6 +125,10 @@ class MegatronRecorder:
         self._lease: Lease | None = None
         self._lease_taken = False
         self.watchdog = watchdog if watchdog is not None else process_watchdog()
+        self.keep_journal = journal
+        self._updates: MegatronUpdates | None = None
+        self.rewinds: list[dict] = []
+        """The rewinds this line of the run went through (manifest ``rewinds``; ``resume.rewind``)."""
 
     @property
     def comm(self) -> Comm:
@@ -128,6 +141,18 @@ class MegatronRecorder:
         if self._collective is None:
             self._collective = Collective(self.comm)
         return self._collective
+
+    @property
+    def updates(self) -> MegatronUpdates | None:
+        """Rank 0's update journal (``updates``); None on the other ranks or with ``journal=False``."""
+        if self._updates is None and self.keep_journal and self.comm.rank == 0:
+            self._updates = MegatronUpdates(self.run.storage, clock=self.clock)
+        return self._updates
+
+    def close_journal(self) -> None:
+        """The end of ``train()`` (rank 0; nothing elsewhere)."""
+        if self._updates is not None:
+            self._updates.close()
 
     # -- counting -------------------------------------------------------------------------------
 
@@ -224,7 +249,9 @@ class MegatronRecorder:
         parts = self.collective.gather(lambda: mine.setdefault("part", local()),
                                        f"state of {MEGATRON_LAYOUT.dirname(iteration)}", saving=True)
         self._reset_count(mine["part"]["state"]["updates_skipped"], args)
-        return SaveSnapshot(iteration, parts, started)
+        updates = self.updates
+        return SaveSnapshot(iteration, parts, started,
+                            journal_lines=updates.snapshot(iteration) if updates is not None else None)
 
     def commit_save(self, snapshot: SaveSnapshot, args: Any) -> Manifest | None:
         """Collective, once the files are complete: rank 0 lists the directory once, every rank
@@ -242,8 +269,10 @@ class MegatronRecorder:
 
         def finalize() -> None:
             parts = [{**part, "files": share} for part, share in zip(snapshot.parts, files)]
-            committed.append(commit.finalize([part["files"] for part in parts],
-                                             self._manifest(snapshot.iteration, parts, args, snapshot.started)))
+            manifest = self._manifest(snapshot.iteration, parts, args, snapshot.started)
+            if self._updates is not None and snapshot.journal_lines is not None:  # sealed before the commit
+                manifest.journal = self._updates.seal(snapshot.iteration, snapshot.journal_lines)
+            committed.append(commit.finalize([part["files"] for part in parts], manifest))
         self.collective.on_rank0(finalize)
         self.last_committed = snapshot.iteration
         return committed[0] if committed else None
@@ -257,7 +286,7 @@ class MegatronRecorder:
         return Manifest(step=iteration, train_state=TrainState(**first["state"]), files={},
                         expectation=expectation, topology=topology(args, self.comm.world_size),
                         config=run_config(args), adapter=ADAPTER_NAME, stragglers=summarize(parts),
-                        timing={"manifest_s": round(self.clock() - started, 3)})
+                        timing={"manifest_s": round(self.clock() - started, 3)}, rewinds=list(self.rewinds))
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -278,10 +307,17 @@ class MegatronRecorder:
             # A fresh start counts from zero; an unrecorded checkpoint's count is
             # unknown until the next save derives it.
             self._reset_count(None if iteration else 0, args)
+            self.rewinds = []
+            if self.updates is not None:
+                self.updates.start(None, iteration or None)
             return
         self._restart().check_live(loaded, iteration, args, scheduler, optimizer)
         recorded = loaded.manifest.train_state
         self._reset_count(recorded.updates_skipped, args)
+        # A rewind to this checkpoint (resume rewind) is carried in every later manifest.
+        self.rewinds = list(loaded.manifest.rewinds) + ([carried(loaded.rewind)] if loaded.rewind else [])
+        if self.updates is not None:
+            self.updates.start(loaded.manifest.journal, loaded.manifest.step)
         if self.comm.rank == 0:
             log.info("resume: continuity check passed for %s (iteration %d, %d successful / %d skipped "
                      "updates)", MEGATRON_LAYOUT.dirname(iteration), iteration,

@@ -7,6 +7,15 @@ the pickles Megatron will unpickle are vetted; the run's arguments are checked a
 the record (another config or another LR ahead is refused). Without any manifest,
 Megatron's own save is checked against its ``.metadata`` and loaded unchecked.
 
+A rewind to the checkpoint chosen (``resume rewind``, ``resume.rewind.pending_rewind``) is
+applied as the native restore applies it, less the skips (refused: Megatron's data position
+cannot skip): when its accepted names (``resume.changes`` names) name every field of the
+schedule the arguments change (``schedule[0].lr_decay_steps``, ``lr_decay_steps``, ``lr`` or
+``max_lr`` for the peak, ``schedule`` for all: ``rewind_accepts``), this restart continues with
+the arguments' schedule, as ``accept_schedule_change`` lets it (logged). Megatron itself loads
+another schedule only with ``--override-opt_param-scheduler``, and no other ``--lr`` or
+``--min-lr`` at all (its optimizer's param groups are matched by them).
+
 After the load (``check_live``, collective): counters, scheduler position, LR ahead,
 schedule, next batch and RNG against the record; a mismatch on any rank is the same
 ``ContinuityError`` on every rank, before the first iteration.
@@ -18,11 +27,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from resume.changes import AcceptChanges
 from resume.collective import Collective
 from resume.continuity import Expectation, compare_config
 from resume.errors import CheckpointNotFoundError, ContinuityError, NoValidCheckpointError
 from resume.manifest import Manifest
 from resume.restore import choose_verified, verify_share
+from resume.rewind import RewindRefused, pending_rewind
 from resume.run import Run
 from resume.storage import join, open_storage
 
@@ -41,7 +52,7 @@ from .savedir import iteration_dirname, tracker_or_none
 from .schedule import STILL_FROM_ARGUMENTS, MegatronSchedule, ignored_schedule_arguments
 from .vet import vet_pickles
 
-__all__ = ["Loaded", "MegatronRestart"]
+__all__ = ["Loaded", "MegatronRestart", "rewind_accepts"]
 
 log = logging.getLogger("resume")
 
@@ -52,6 +63,8 @@ class Loaded:
 
     manifest: Manifest
     source: str
+    rewind: dict | None = None
+    """The rewind to this checkpoint this restart applies (``resume.rewind.pending_rewind``)."""
 
 
 @dataclass
@@ -144,7 +157,8 @@ class MegatronRestart:
         """Collective: the arguments checked and the pickles vetted, Megatron pointed at ``chosen``.
         None where Megatron will load something else (a pretrained or non-persistent checkpoint)."""
         source = self.run.storage.url(self.run.manifest_path(chosen.step))
-        self._check_arguments(chosen, args, source)  # before Megatron touches anything
+        loaded = Loaded(chosen, source, self._rewind_to(chosen))
+        self._check_arguments(chosen, args, source, rewind=loaded.rewind)  # before Megatron touches anything
         self.collective.on_rank0(lambda: self._vet_and_name_ignored(chosen, args))
         tracker = self.collective.on_rank0(lambda: tracker_or_none(self.run.storage))
         if tracker != chosen.step:
@@ -158,7 +172,21 @@ class MegatronRestart:
                         "manifest, continuity is NOT checked for this restart",
                         iteration_dirname(chosen.step))
             return None
-        return Loaded(chosen, source)
+        return loaded
+
+    def _rewind_to(self, chosen: Manifest) -> dict | None:
+        """Collective: the rewind this restart applies (None: none); refused with skips."""
+        rewind = self.collective.on_rank0(lambda: pending_rewind(self.run, chosen))
+        if rewind is None:
+            return None
+        if rewind.get("skips"):
+            raise RewindRefused(
+                f"{self.run.url}: rewind {rewind['n']}: skips: expected none on a Megatron run (its data position "
+                f"is consumed_train_samples, which cannot pass over samples), actual {rewind['skips']}")
+        if self.collective.rank == 0:
+            log.warning("resume: applying rewind %d to %s (%s); accepted: %s", rewind["n"],
+                        iteration_dirname(chosen.step), rewind.get("reason", ""), rewind.get("accept") or "nothing")
+        return rewind
 
     def _non_persistent_wins(self, args: Any, step: int) -> bool:
         """Megatron loads a non-persistent checkpoint when it is at least as new (checkpointing.py)."""
@@ -179,16 +207,17 @@ class MegatronRestart:
             for message in ignored_schedule_arguments(args, state):
                 log.warning("resume: %s: %s", iteration_dirname(manifest.step), message)
 
-    def _check_arguments(self, manifest: Manifest, args: Any, source: str) -> None:
-        """The run's config and the LR its arguments give at the next updates, against the record."""
+    def _check_arguments(self, manifest: Manifest, args: Any, source: str, *, rewind: dict | None = None) -> None:
+        """The run's config and the LR its arguments give at the next updates, against the record
+        (another schedule is accepted by ``accept_schedule_change`` or by ``rewind``)."""
         compare_config(manifest.config, run_config(args))
         mega = manifest.expectation.get("megatron", {})
         position = mega.get("scheduler_position")
         recorded = mega.get("lr_schedule_ahead")
         if not isinstance(position, int) or not isinstance(recorded, list):
             return
+        saved = manifest.expectation.get("schedule")
         if getattr(args, "use_checkpoint_opt_param_scheduler", False):
-            saved = manifest.expectation.get("schedule")
             if not (isinstance(saved, list) and saved):
                 return
             schedule, who, why = _kept_schedule(args, MegatronSchedule.from_dict(saved[0], source=source))
@@ -199,9 +228,11 @@ class MegatronRestart:
         if flat != recorded:
             i = next(i for i, (a, b) in enumerate(zip(recorded, flat)) if a != b)
             where = megatron_lr_numbering(manifest.train_state.iteration, i)
+            changed = changed_fields(saved, [schedule.to_dict()])
             error = ContinuityError(f"lr_ahead[+{i}]", recorded[i], flat[i],
-                                    f"{who} another LR {where} than the checkpoint's schedule{why}")
-            if not self.accept_schedule_change:
+                                    f"{who} another LR {where} than the checkpoint's schedule{why}"
+                                    + (f" (changed: {', '.join(changed)})" if changed else ""))
+            if not (self.accept_schedule_change or rewind_accepts(rewind, saved, [schedule.to_dict()])):
                 raise error
             log.warning("resume: accepted schedule change: %s", error)
 
@@ -227,15 +258,18 @@ class MegatronRestart:
         if scheduler.num_steps != position:
             raise ContinuityError("scheduler.position", f"{position} samples (updates_successful x global "
                                   "batch)", scheduler.num_steps, "the scheduler did not resume where it stopped")
-        self._check_lr_and_schedule(loaded.manifest, expected, iteration, args, scheduler, optimizer)
+        self._check_lr_and_schedule(loaded, expected, iteration, args, scheduler, optimizer)
         ids = next_batch_ids(args.consumed_train_samples, args.global_batch_size)
         if expected.next_batch is not None and expected.next_batch["ids"] != ids:
             raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
                                   "the data stream does not continue where it stopped")
         self._check_rng(expected, loaded.manifest, args)
 
-    def _check_lr_and_schedule(self, manifest: Manifest, expected: Expectation, iteration: int, args: Any,
+    def _check_lr_and_schedule(self, loaded: Loaded, expected: Expectation, iteration: int, args: Any,
                                scheduler: Any, optimizer: Any) -> None:
+        manifest = loaded.manifest
+        live_schedule = [MegatronSchedule.from_scheduler(scheduler).to_dict()]
+        accept = self.accept_schedule_change or rewind_accepts(loaded.rewind, expected.schedule, live_schedule)
         adopted = isinstance((manifest.expectation.get("megatron") or {}).get("adopted"), dict)
         if adopted:
             # Adopted (resume megatron adopt): the param groups' own overrides were not known, only
@@ -246,13 +280,12 @@ class MegatronRestart:
         else:
             actual_lr = lr_ahead_megatron(scheduler, args.global_batch_size, len(expected.lr_ahead),
                                           group_overrides(optimizer))
-        if actual_lr != expected.lr_ahead and not self.accept_schedule_change:
+        if actual_lr != expected.lr_ahead and not accept:
             k = next(i for i, (a, b) in enumerate(zip(expected.lr_ahead, actual_lr)) if a != b)
             raise ContinuityError(f"lr_ahead[+{k}]", expected.lr_ahead[k], actual_lr[k],
                                   f"the learning-rate schedule does not continue where it stopped (the LR "
                                   f"{megatron_lr_numbering(iteration, k)})")
-        live_schedule = [MegatronSchedule.from_scheduler(scheduler).to_dict()]
-        if live_schedule != expected.schedule and not self.accept_schedule_change:
+        if live_schedule != expected.schedule and not accept:
             for key in sorted(live_schedule[0]):
                 if expected.schedule[0].get(key) != live_schedule[0][key]:
                     raise ContinuityError(f"schedule[0].{key}", expected.schedule[0].get(key),
@@ -284,3 +317,23 @@ def _kept_schedule(args: Any, kept: MegatronSchedule) -> tuple[MegatronSchedule,
            "Megatron-Core's optimizer keeps them) and its scheduler does not save --lr-warmup-init "
            "or the WSD length")
     return schedule, who, why
+
+
+def changed_fields(saved: Any, live: list[dict]) -> list[str]:
+    """The fields in which the ``live`` schedule differs from the ``saved`` one (``[schedule.to_dict()]``
+    both); none when nothing was saved."""
+    if not (isinstance(saved, list) and saved and isinstance(saved[0], dict)):
+        return []
+    return [k for k in sorted(set(saved[0]) | set(live[0])) if saved[0].get(k) != live[0].get(k)]
+
+
+def rewind_accepts(rewind: dict | None, saved: Any, live: list[dict]) -> bool:
+    """Whether ``rewind``'s accepted names (``resume.changes`` names) name every field in which the
+    ``live`` schedule differs from the ``saved`` one; ``lr`` and ``initial_lr`` name the peak (``max_lr``)."""
+    changed = changed_fields(saved, live)
+    if rewind is None or not changed:
+        return False
+    accept = AcceptChanges(tuple(rewind.get("accept", ())))
+    return all(accept.accepts(f"schedule[0].{k}") or (k == "max_lr" and accept.accepts("schedule[0].base_lrs"))
+               for k in changed)
+
