@@ -103,6 +103,7 @@ class Journal:
         self._clock = clock
         self._flushed_at = 0.0
         self._broken = False
+        self._made = False
 
     # -- the launch ----------------------------------------------------------------------
 
@@ -151,6 +152,9 @@ class Journal:
         if self._unflushed and not self._broken:
             data, self._unflushed = b"".join(self._unflushed), []
             try:
+                if not self._made:
+                    self.storage.makedirs(JOURNAL_DIR)
+                    self._made = True
                 self.storage.append_bytes(self._open_name, data, limit=OPEN_CAP)
             except OSError as e:
                 log.warning("resume: %s: cannot append the update journal: %s", self.storage.url(self._open_name), e)
@@ -187,6 +191,9 @@ class Journal:
         header = {"schema": SCHEMA, "step": step, "records": len(lines), "prev": prev}
         data = json.dumps(header, separators=(",", ":")).encode() + b"\n" + b"".join(lines)
         name = join(JOURNAL_DIR, f"sealed-{step:09d}.jsonl")
+        if not self._made:  # a file system behind fsspec wants the directory made first
+            self.storage.makedirs(JOURNAL_DIR)
+            self._made = True
         self.storage.write_bytes_atomic(name, data)
         first = json.loads(lines[0])["it"] if lines else None
         entry = {"segment": name, "size": len(data), "checksum": checksum_bytes(data), "step": step,
