@@ -10,12 +10,17 @@ Each run times, ours and plain alternating first: ``save`` (``Coordinator.save()
 ``restore`` into fresh objects with the page cache dropped (``Coordinator.restore()`` against
 ``dcp.load`` + ``set_state_dict``), and ``update()`` without a save. After the runs, ``update()``
 without a save again, with hang detection on (``HangBounds()``: the watchdog thread running) and
-off (``HangBounds(enabled=False)``: no thread), a Coordinator each, alternating on, off, off, on.
+off (``HangBounds(enabled=False)``: no thread), a Coordinator each, alternating on, off, off, on;
+then ``update()`` with the update journal on (the default; ``loss``, ``grad_norm`` and ``clipped``
+passed as floats) and off (``journal=False``), the same way, each an applied update after a real
+optimizer step (not timed) on a small model of the same shape: the record then holds the LR
+applied and the batch's ids, as in training (``update()``'s cost does not grow with the model).
 Figures are medians over the runs; the last line with ``--json`` is one JSON object:
 ``save_vs_dcp`` and ``restore_vs_dcp_load`` are plain / ours (higher is faster),
 ``async_stall_vs_dcp_async`` is ours / DCP's (lower is better), ``update_us`` in microseconds,
 ``update_us_hang_on`` and ``update_us_hang_off`` the same with hang detection on and off,
-``update_hang_on_vs_off`` their ratio, ``per_run`` each run's ratios.
+``update_hang_on_vs_off`` their ratio, ``update_us_journal_on``, ``update_us_journal_off`` and
+``update_journal_on_vs_off`` likewise for the journal, ``per_run`` each run's ratios.
 ``--profile N`` adds a cProfile of one more of each. The method in full: docs/performance.md.
 """
 
@@ -52,10 +57,14 @@ LAYERS = 16
 GLOBAL_BATCH = 4
 SAMPLES = 256
 GOALS = {"save_vs_dcp": (">=", 0.95), "async_stall_vs_dcp_async": ("<=", 1.1),
-         "restore_vs_dcp_load": (">=", 0.85), "update_us": ("<=", 50.0), "update_us_hang_on": ("<=", 50.0)}
+         "restore_vs_dcp_load": (">=", 0.85), "update_us": ("<=", 50.0), "update_us_hang_on": ("<=", 50.0),
+         "update_us_journal_on": ("<=", 50.0)}
 HANG_MODES = {"on": HangBounds(), "off": HangBounds(enabled=False)}
 """Hang detection as ``update_us_hang_*`` times it: explicit both ways (a Coordinator given no
 bounds would keep the process watchdog's, the last Coordinator's)."""
+JOURNAL_WIDTH = 64
+"""Layer width of the model ``update_us_journal_*`` trains: its real optimizer steps come between
+the timed calls, and ``update()`` itself does not look at the weights."""
 
 
 # -- the training state ----------------------------------------------------------------------
@@ -120,23 +129,27 @@ class Training:
     """The live loop: model, optimizer, scheduler, loader, adapter and Coordinator."""
 
     def __init__(self, width: int, dataset: Samples, run_dir: str, every: int, *,
-                 hang: HangBounds | None = None) -> None:
+                 hang: HangBounds | None = None, journal: bool = True) -> None:
         self.model, self.optim, self.sched, self.loader = build(width, dataset, seed=0)
         self.adapter = NativeTorchAdapter(self.model, [self.optim], [self.sched], self.loader)
         self.coord = Coordinator(run_dir, self.adapter, global_batch=GLOBAL_BATCH, every=every,
-                                 keep=1000, async_save=True, handle_signals=False, hang=hang)
+                                 keep=1000, async_save=True, handle_signals=False, hang=hang,
+                                 journal=journal)
         self.coord.restore()  # a fresh start
         self.batches = self.coord.batches()
         self.every = every
 
-    def step(self) -> None:
-        """One real iteration, up to (not including) update()."""
+    def step(self, *, clip: bool = False) -> tuple[float, float]:
+        """One real iteration, up to (not including) update(): the loss and, with ``clip``
+        (gradients clipped to norm 1, as the README's loop does), the norm before clipping."""
         batch = next(self.batches)
         loss = self.model(batch["x"]).pow(2).mean()
         loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).item() if clip else 0.0
         self.optim.step()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
+        return loss.item(), grad_norm
 
     def train(self) -> None:
         """A real iteration with its update(), never one that saves."""
@@ -153,6 +166,17 @@ class Training:
             next(self.batches)
             started = clock()
             saved = self.coord.update(applied=False)
+            sink.append(clock() - started)
+            assert not saved, "update() saved at an iteration that is not due"
+
+    def train_to_due(self, sink: list[float]) -> None:
+        """Applied iterations up to the one before a scheduled save, each update() timed with
+        the loss, gradient norm and clipped passed (what the journal records)."""
+        clock = time.perf_counter
+        while (self.coord.iteration + 1) % self.every:
+            loss, grad_norm = self.step(clip=True)
+            started = clock()
+            saved = self.coord.update(applied=True, loss=loss, grad_norm=grad_norm, clipped=grad_norm > 1.0)
             sink.append(clock() - started)
             assert not saved, "update() saved at an iteration that is not due"
 
@@ -365,6 +389,38 @@ def hang_figures(times: dict[str, list[float]]) -> dict[str, float]:
             "update_us_hang_off_median": statistics.median(times["off"]) * 1e6}
 
 
+def time_update_by_journal(root: str, every: int, pairs: int) -> dict[str, list[float]]:
+    """``update()`` without a save, each call timed, with the update journal on (the default)
+    and off (``journal=False``): a fresh Coordinator (its own run) for each, ``pairs`` times in
+    the order on, off, off, on; applied updates after real steps of a ``JOURNAL_WIDTH`` model."""
+    dataset = Samples(JOURNAL_WIDTH)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    # One thread: a model this small gains nothing from more, and their spin-waits after each step
+    # would land in the timed calls (on a loaded 2-core machine, most of them).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, mode in enumerate(["on", "off", "off", "on"] * pairs):
+            t = Training(JOURNAL_WIDTH, dataset, fresh_dir(root, f"journal-{mode}-{i}"), every,
+                         journal=mode == "on")
+            kept = t.coord.journal is not None
+            assert kept == (mode == "on"), f"journal {mode}: journal kept: {kept}"
+            t.train_to_due(times[mode])
+            t.coord.close()
+            del t
+            gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
+def journal_figures(times: dict[str, list[float]]) -> dict[str, float]:
+    on, off = statistics.fmean(times["on"]) * 1e6, statistics.fmean(times["off"]) * 1e6
+    return {"update_us_journal_on": on, "update_us_journal_off": off, "update_journal_on_vs_off": on / off,
+            "update_us_journal_on_median": statistics.median(times["on"]) * 1e6,
+            "update_us_journal_off_median": statistics.median(times["off"]) * 1e6}
+
+
 # -- main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -415,6 +471,7 @@ def main() -> None:
         del t
         gc.collect()
         by_hang = time_update_by_hang_mode(width, dataset, root, args.every, pairs=max(1, args.runs // 2))
+        by_journal = time_update_by_journal(root, args.every, pairs=max(1, args.runs // 2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
@@ -422,6 +479,7 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     update_us = statistics.fmean(update_s) * 1e6
     hang = hang_figures(by_hang)
+    journal = journal_figures(by_journal)
     ratios = {**pair_ratios(med), "update_us": update_us, "update_us_hang_on": hang["update_us_hang_on"]}
     # Per run, with which side went first: on a virtual disk the position in a pair can matter
     # as much as the tool, and only an even number of runs gives each side each position equally.
@@ -449,6 +507,7 @@ def main() -> None:
     print(f"\nupdate() without a save: {update_us:.1f} µs mean, {statistics.median(update_s) * 1e6:.1f} µs median "
           f"over {len(update_s)} calls")
     print_hang_table(hang, len(by_hang["on"]))
+    print_journal_table(journal, len(by_journal["on"]))
     print("\n| ratio | value | goal |\n|---|---:|---|")
     for k, v in ratios.items():
         op, goal = GOALS[k]
@@ -464,7 +523,8 @@ def main() -> None:
         print(json.dumps({**ratios, "gib": size / (1 << 30), "runs": len(runs), "seconds": med,
                           "update_us_median": statistics.median(update_s) * 1e6,
                           "update_calls": len(update_s), **{k: v for k, v in hang.items() if k not in ratios},
-                          "update_hang_calls": len(by_hang["on"]), "goals_met": met, "machine": machine,
+                          "update_hang_calls": len(by_hang["on"]), **journal,
+                          "update_journal_calls": len(by_journal["on"]), "goals_met": met, "machine": machine,
                           "per_run": per_run, "pause_s": args.pause, "elapsed_s": elapsed}))
 
 
@@ -478,6 +538,20 @@ def print_hang_table(hang: dict[str, float], calls: int) -> None:
           f"{hang['update_hang_on_vs_off']:.2f} | ≤ {budget:g} µs ({met}) |")
     print(f"| median | {hang['update_us_hang_on_median']:.1f} µs | {hang['update_us_hang_off_median']:.1f} µs | "
           f"{hang['update_us_hang_on_median'] / hang['update_us_hang_off_median']:.2f} | |")
+
+
+def print_journal_table(journal: dict[str, float], calls: int) -> None:
+    """``update()`` without a save (applied, loss, gradient norm and clipped passed), the update
+    journal on and off, beside the budget."""
+    budget = GOALS["update_us_journal_on"][1]
+    met = "met" if journal["update_us_journal_on"] <= budget else "NOT met"
+    print(f"\n| update() without a save, {calls} calls each | journal on (default) | off | on / off | budget |"
+          "\n|---|---:|---:|---:|---|")
+    print(f"| mean | {journal['update_us_journal_on']:.1f} µs | {journal['update_us_journal_off']:.1f} µs | "
+          f"{journal['update_journal_on_vs_off']:.2f} | ≤ {budget:g} µs ({met}) |")
+    print(f"| median | {journal['update_us_journal_on_median']:.1f} µs | "
+          f"{journal['update_us_journal_off_median']:.1f} µs | "
+          f"{journal['update_us_journal_on_median'] / journal['update_us_journal_off_median']:.2f} | |")
 
 
 def pair_ratios(t: dict[str, float]) -> dict[str, float]:
