@@ -98,8 +98,12 @@ def test_unknown_url_scheme_names_the_package_to_install(tmp_path):
 def test_journal_and_rewind_on_an_object_store(s3):
     """The journal's open records go up at each seal and at close (an object cannot be appended
     to); the rewind's moves are copies and deletes there; all through the faulty proxy."""
+    import s3fs
     from support.workloads import Setup, build, train
 
+    # In this process, not a spawned one: fsspec would hand back a file system made by an earlier
+    # test of the module for another server's endpoint.
+    s3fs.S3FileSystem.clear_instance_cache()
     coord, parts = build(0, 1, RUN, Setup(every=3))
     coord.restore()
     train(coord, parts, until=7, skip={2})  # saves at 3 and 6; 7 is not sealed
