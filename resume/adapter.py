@@ -75,8 +75,10 @@ class DataPosition(ABC):
                          "(resume.adapters.data.GlobalPositionSampler), actual one that cannot: the rewind's "
                          "skip cannot be made")
 
-    def batch_ids(self, batch: Any) -> list[int] | None:
-        """The sample ids ``batch`` carries (no content read), for the update journal; None if none."""
+    def batch_ids(self, batch: Any) -> Any:
+        """The sample ids ``batch`` carries (no content read), for the update journal: a sequence of
+        integers or an object with ``tolist()`` (a tensor), read later by the journal's writer;
+        None if none."""
         return None
 
     @abstractmethod

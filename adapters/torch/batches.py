@@ -30,14 +30,15 @@ def describe_batch(batch: Any) -> list[tuple[int, str]]:
     return out
 
 
-def batch_ids(batch: Any) -> list[int] | None:
-    """The sample ids ``batch`` carries (as ``describe_batch`` finds them), no content read."""
+def batch_ids(batch: Any) -> Any:
+    """The sample ids ``batch`` carries (as ``describe_batch`` finds them), as they are (a tensor
+    or a list: read later, by the journal's writer), no content read; None if none."""
     if isinstance(batch, dict):
         key = next((k for k in _ID_KEYS if k in batch), None)
-        return torch.as_tensor(batch[key]).reshape(-1).tolist() if key is not None else None
+        return batch[key] if key is not None else None
     if (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)
             and batch[0].dim() == 1 and not batch[0].is_floating_point() and batch[0].dtype != torch.bool):
-        return batch[0].tolist()
+        return batch[0]
     return None
 
 

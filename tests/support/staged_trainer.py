@@ -185,6 +185,11 @@ class _Collect(logging.Handler):
 
 
 def run_job(rank: int, world: int, run: str, out: str, kill_at: int | None) -> dict:
+    # Each journal record written at its update, so that the test sees every iteration the
+    # SIGKILL lost (by default a run this fast would lose the last second's: resume.journal).
+    import resume.journal
+
+    resume.journal.WRITE_EVERY = 1
     logger = logging.getLogger("resume")
     logger.setLevel(logging.INFO)
     logger.addHandler(_Collect(os.path.join(out, f"log-{rank}.txt")))
