@@ -18,7 +18,9 @@ import pytest
 from support.cli import assert_one_line_error, resume
 from support.megatron import require_megatron
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiprocess]
+# The record's own rules run anywhere; the tests through Megatron's train() are marked megatron
+# (they skip without megatron-core, which .ci/run's fresh-machine step checks).
+pytestmark = [pytest.mark.multiprocess]
 
 ITERATIONS, SAVE_INTERVAL, GBS = 8, 4, 4
 OVERFLOW_AT = [3]  # optimizer.step() reports update_successful=False at iteration 3
@@ -156,6 +158,7 @@ def journaled(tmp_path_factory):
     return save_dir, result
 
 
+@pytest.mark.megatron
 def test_train_records_every_iteration_and_each_save_seals_them(journaled):
     from resume.checksum import checksum_bytes
 
@@ -190,6 +193,7 @@ def test_train_records_every_iteration_and_each_save_seals_them(journaled):
                                                                       "sealed-000000008.jsonl"]
 
 
+@pytest.mark.megatron
 def test_with_async_save_each_commit_at_megatron_finalize_seals_the_records_up_to_its_iteration(tmp_path):
     require_megatron()
     from support.megatron_train_loop import run_to_end
@@ -203,6 +207,7 @@ def test_with_async_save_each_commit_at_megatron_finalize_seals_the_records_up_t
     assert [(e["step"], e["first"], e["records"]) for e in entries] == [(4, 1, 4), (8, 5, 4)]
 
 
+@pytest.mark.megatron
 def test_a_rewind_with_a_skip_is_refused_naming_megatron_and_changes_nothing(journaled, tmp_path):
     save_dir = str(tmp_path / "save")
     shutil.copytree(journaled[0], save_dir)
@@ -212,6 +217,7 @@ def test_a_rewind_with_a_skip_is_refused_naming_megatron_and_changes_nothing(jou
     assert _tree(save_dir) == before
 
 
+@pytest.mark.megatron
 def test_a_rewind_without_a_skip_resumes_at_its_target_and_carries_the_rewind(journaled, tmp_path):
     from support.megatron_train_loop import run_to_end
 
@@ -243,6 +249,7 @@ def test_a_rewind_without_a_skip_resumes_at_its_target_and_carries_the_rewind(jo
         assert json.loads(f.readline())["prev"] == _manifest(save_dir, 4)["journal"]
 
 
+@pytest.mark.megatron
 def test_a_rewind_accepting_the_decay_length_resumes_on_the_new_schedule(journaled, tmp_path):
     """Without the rewind the longer decay is refused before the first iteration; with one that
     accepts ``lr_decay_steps`` the run resumes at 4 on the new schedule (a higher LR)."""
