@@ -158,7 +158,6 @@ class RewindPlan:
     journal: dict | None = None
     """The abandoned line's newest journal entry (to read its records later)."""
     expect_next: dict | None = None
-    furthest: int = 0
     resumed: dict | None = None
     """An interrupted record with the same ``to``, finished instead of a new one."""
     source: dict | None = None
@@ -257,7 +256,6 @@ def _check_skips(run: Run, plan: RewindPlan, later: list[int], records: list[dic
     for r in records:
         if r.get("it", 0) > manifest.step and type(r.get("at")) is int and type(r.get("n")) is int:
             furthest = max(furthest, r["at"] + r["n"])
-    plan.furthest = furthest
     carried = Skips([tuple(s) for rw in manifest.rewinds for s in rw.get("skips", [])])
     for start, end in plan.skips.ranges:
         if start < position or end > furthest:
