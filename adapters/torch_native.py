@@ -26,6 +26,7 @@ import torch
 from resume.adapter import Adapter
 from resume.comm import Comm
 from resume.errors import UsageError
+from resume.layout import stated_layout
 
 from .data import check_loader, load_loader_state, loader_state, skip_loader_samples
 from .dcp.filesystem import COMPRESSIONS
@@ -33,6 +34,7 @@ from .dcp.plan_cache import SavePlanCache
 from .environment import JobEnvironment
 from .torch.batches import batch_ids, describe_batch
 from .torch.comm import TorchDistComm, allreduce_each_gradient, comm_for
+from .torch.layout import read_layout_part
 from .torch.metadata import CheckedMetadata
 from .torch.objects import (
     MODEL_STATE_MODES,
@@ -83,6 +85,12 @@ class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerVie
     a setting: a value in the code that differs from the checkpoint's is refused at restore
     unless accepted (``Coordinator(accept_changes=...)``).
 
+    ``parallel``: what the program states of its parallel layout where the objects cannot say it
+    (``resume.adapters.torch.layout`` reads device meshes, DTensor specs, FSDP2 and DDP): degrees
+    (``dp_replicate``, ``dp_shard``, ``tensor``, ``pipeline``, ``context``, ``expert``) and
+    ``scheme``, the name of a shard scheme of the program's own (a hand-split tensor-parallel
+    layer, a flat ZeRO buffer), which only the layout it was saved on can load.
+
     ``plan_caching``: DCP's save-plan caching (on by default): a save whose every rank's local
     plan equals its last one reuses rank 0's global plan and ``.metadata`` layout instead of
     planning anew. The cache is this adapter's own, one per save path (synchronous,
@@ -96,10 +104,11 @@ class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerVie
                  optimizers: torch.optim.Optimizer | Iterable, schedulers: Any = (), data: Any = None, *,
                  comm: Comm | None = None, process_group: Any = None, compression: str | None = None,
                  moving_settings: Iterable[str] = (), model_state: str = "auto",
-                 plan_caching: bool = True) -> None:
+                 plan_caching: bool = True, parallel: dict | None = None) -> None:
         if compression not in COMPRESSIONS:
             raise UsageError(f"compression: expected one of {COMPRESSIONS}, actual {compression!r}")
         self.compression = compression
+        self.parallel = stated_layout(dict(parallel or {}), where="NativeTorchAdapter: parallel")
         self._plan_cache = SavePlanCache(type(self).__name__, enabled=plan_caching)
         self._metadata = CheckedMetadata()  # shard_problems' check, kept for the load
         self.model_parts = model_parts(model)
@@ -186,8 +195,12 @@ class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerVie
         holder's name, the same in the job's requeued and restarted copies."""
         return JobEnvironment.from_env().job_id
 
+    def layout_part(self) -> dict:
+        """Read from the objects (``resume.adapters.torch.layout``), ``parallel`` stated over it."""
+        return read_layout_part(self.model_parts, self._param_names(), self.parallel)
+
     def topology(self) -> dict:
-        topology: dict = {"world_size": self.comm.world_size, "data_parallel": self.comm.world_size}
+        topology: dict = {"world_size": self.comm.world_size}
         if self.compression is not None:
             # What a restore honours: a compression transform in .metadata counts only when
             # the manifest records it (``dcp.reader.SafeFileSystemReader.compressed``).

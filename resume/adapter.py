@@ -4,7 +4,9 @@
 the same order, because some calls are collective.
 
 On restore:
-  0. all  ``describe_structure()``, ``describe_schedule()``: the code's optimizers and schedule,
+  0. all  ``layout_part()`` while the checkpoint is chosen, before its files are read: another
+          layout is let through where the shards load exactly, refused otherwise (resume.layout)
+     all  ``describe_structure()``, ``describe_schedule()``: the code's optimizers and schedule,
           compared with the manifest before anything is loaded (resume.changes);
           ``snapshot_settings()`` when changes were accepted
   1. rank 0 ``shard_problems(storage, step_dir, manifest)`` during the choice (verify_on_restore)
@@ -19,6 +21,7 @@ On restore:
   and topology from it, never ``manifest.json`` again.
 
 On save (at an iteration boundary, all ranks agreed):
+  0. all  ``layout_part()``, with the rank's other facts
   1. all  ``data_state()`` before the look-ahead batch is fetched, ``describe_batch(batch)`` of it
   2. all  ``lr_ahead(k)``, ``lr_groups()``, ``optimizer_fingerprint()``, ``describe_schedule()``,
           ``describe_structure()``
@@ -165,6 +168,12 @@ class RankState(ABC):
 
     def topology(self) -> dict:
         return {"world_size": self.comm.world_size}
+
+    def layout_part(self) -> dict | None:
+        """This rank's share of the parallel layout (``resume.layout.assemble_layout``): degrees,
+        placements, its pipeline stage. Compared with the checkpoint's before a restore loads
+        anything; None: the adapter knows no layout (every rank a data-parallel replica, as before)."""
+        return None
 
     @property
     def job_id(self) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .checksum import digest_parts
 from .errors import ContinuityError, ManifestError
+from .layout import global_moments
 from .text import short
 
 __all__ = ["Expectation", "compare", "compare_config", "merge_batch_descriptions"]
@@ -165,12 +166,15 @@ def _first_difference(a: list, b: list) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(expected: Expectation, actual: Expectation, *, resized: bool = False) -> None:
+def compare(expected: Expectation, actual: Expectation, *, resized: bool = False,
+            stages: tuple[list[int], list[int]] | None = None) -> None:
     """Raise ContinuityError for the first item that differs (order: cheapest to explain first).
 
     ``resized``: a restart on another data-parallel size may change the per-rank
     RNG streams and the per-rank layout of optimizer shards; those are then
     compared only as totals (moments must still be there), everything else exactly.
+    ``stages``: after a layout change (``resume.layout``), each rank's pipeline stage as saved
+    and now: the moments are compared as totals over the global tensors, whatever the layout.
     """
     if expected.schedule != actual.schedule:
         for i, (e, a) in enumerate(zip(expected.schedule, actual.schedule)):
@@ -182,7 +186,10 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
                               f"{len(actual.schedule)} schedulers")
     if expected.optimizer_steps != actual.optimizer_steps:
         raise ContinuityError("optimizer.steps", expected.optimizer_steps, actual.optimizer_steps)
-    _compare_moments(expected, actual, resized=resized)
+    if stages is not None and _comparable_globally(expected, actual):
+        _compare_global_moments(expected, actual, stages)
+    else:
+        _compare_moments(expected, actual, resized=resized)
     if expected.lr_ahead != actual.lr_ahead:
         k = _first_difference(expected.lr_ahead, actual.lr_ahead)
         e = expected.lr_ahead[k] if k is not None and k < len(expected.lr_ahead) else None
@@ -196,12 +203,14 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
     _compare_batch(expected.next_batch, actual.next_batch, actual.before_replicas)
 
 
-def matched(expected: Expectation, *, resized: bool = False) -> str:
-    """What ``compare`` found equal, in words, for the line a restore prints."""
+def matched(expected: Expectation, *, resized: bool = False, relaid: bool = False) -> str:
+    """What ``compare`` found equal, in words, for the line a restore prints (``relaid``: after a
+    layout change, the moments as totals over the global tensors)."""
     items = [f"{len(expected.schedule)} scheduler(s)", f"optimizer steps {expected.optimizer_steps}"]
     if expected.optimizer and expected.optimizer[0]:
         items.append(f"moments of {len(expected.optimizer[0])} optimizer(s)"
-                     + (" (as totals: another data-parallel size)" if resized else ""))
+                     + (" (as totals over the global tensors: another layout)" if relaid else
+                        " (as totals: another data-parallel size)" if resized else ""))
     items.append(f"LR of the next {len(expected.lr_ahead)} updates")
     items.append("RNG not compared (another data-parallel size)" if resized else
                  f"RNG of {len(expected.rng)} rank(s)")
@@ -270,6 +279,30 @@ def _compare_moments(expected: Expectation, actual: Expectation, *, resized: boo
                 raise ContinuityError(f"optimizer[{i}].moments (rank {rank}, replicated)",
                                       _describe_bits(saved[0]["replicated"]), _describe_bits(a["replicated"]),
                                       _moment_hint(a["replicated"]))
+
+
+def _comparable_globally(expected: Expectation, actual: Expectation) -> bool:
+    return bool(expected.optimizer) and all(_is_bits_fingerprint(o) for e in (expected, actual)
+                                            for r in e.optimizer for o in r)
+
+
+def _compare_global_moments(expected: Expectation, actual: Expectation, stages: tuple[list[int], list[int]]) -> None:
+    """Per optimizer, the moments' bit sums over the global tensors (``resume.layout.global_moments``),
+    saved and now: equal on any layout the shards were loaded on exactly; the sums weighted by
+    name too where both sides recorded them."""
+    saved, live = global_moments(expected.optimizer, stages[0]), global_moments(actual.optimizer, stages[1])
+    for i, (e, a) in enumerate(zip(saved, live)):
+        if e["bits"] != a["bits"] or e["numel"] != a["numel"]:
+            raise ContinuityError(f"optimizer[{i}].moments (global tensors, all ranks)", _describe_bits(e),
+                                  _describe_bits(a), _moment_hint(a) + " after the layout change")
+        if "named" in e and "named" in a and e["named"] != a["named"]:
+            raise ContinuityError(f"optimizer[{i}].moments (by parameter name, all ranks)",
+                                  _describe_bits({"bits": e["named"], "numel": e["numel"]}),
+                                  _describe_bits({"bits": a["named"], "numel": a["numel"]}),
+                                  "the same moments, under other parameters: the layout change loaded "
+                                  "a parameter's moments into another")
+    if len(saved) != len(live):
+        raise ContinuityError("optimizer.moments", f"{len(saved)} optimizers", f"{len(live)} optimizers")
 
 
 def _compare_batch(expected: dict | None, actual: dict | None, before_replicas: dict | None = None) -> None:

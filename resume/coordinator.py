@@ -36,6 +36,7 @@ from .continuity import Expectation, matched
 from .control import ControlArea
 from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
 from .journal import Journal, UpdateRecorder
+from .layout import layout_topology
 from .lease import Lease
 from .lookahead import END, NextIteration
 from .manifest import Manifest
@@ -151,7 +152,7 @@ class Coordinator:
         weights) before ``restore()`` loads into it.
         """
         if self._peeked is None:
-            self._peeked = (self._restorer.choose(),)
+            self._peeked = (self._restorer.choose(layout=False),)
         return self._peeked[0]
 
     def restore(self) -> TrainState:
@@ -321,11 +322,14 @@ class Coordinator:
         local: dict[str, Any] = {}
         # Rank 0 alone receives every rank's part and assembles the expectation (None elsewhere:
         # only the manifest needs it); each rank sends its own part, O(1) per rank.
+        world = self.comm.world_size
         assembled = self.coll.gather(lambda: self._rank_part(local, moments=not moments_later),
                                      f"{commit.url} (counters, RNG and moments)", saving=True,
-                                     combine=lambda parts: (Expectation.assemble(parts, world_size=self.comm.world_size),
-                                                            summarize(parts)))
-        expectation, record["stragglers"] = assembled if assembled is not None else (None, None)
+                                     combine=lambda parts: (Expectation.assemble(parts, world_size=world),
+                                                            summarize(parts),
+                                                            layout_topology([p["layout"] for p in parts],
+                                                                            world_size=world)))
+        expectation, record["stragglers"], record["layout"] = assembled if assembled is not None else (None,) * 3
         state = TrainState.from_dict(self.state.to_dict())  # a background commit comes later
         if background:
             # Phase 2a, local: a memory copy of the shards; the loop goes on after it.
@@ -376,7 +380,7 @@ class Coordinator:
         self.state.check_invariants(global_batch=self.global_batch)
         part = self._next.expectation_part(moments=moments)
         # This rank's iteration times since the last save travel with the gather (stragglers).
-        part.update(times=self._progress.take_times(), node=self.watchdog.node)
+        part.update(times=self._progress.take_times(), node=self.watchdog.node, layout=self.adapter.layout_part())
         rank_state = self._next.rank_state()
         local["rank_file"] = (rank_state_name(self.rank), json.dumps(rank_state, allow_nan=False).encode())
         return part
@@ -387,6 +391,8 @@ class Coordinator:
         """The manifest, once every rank reported (a fingerprint taken from a staged copy comes
         then); built on rank 0 only, the one that has the ``expectation``. The journal's records up
         to ``step`` are sealed here, just before the manifest that names their segment."""
+        layout = record.pop("layout", None)  # what the topology records of it (rank 0)
+
         def build(reports: list[dict]) -> Manifest:
             assert expectation is not None, "the manifest is built on rank 0"
             if self.journal is not None and journal_lines is not None:
@@ -396,8 +402,8 @@ class Coordinator:
             timing = {"save_s": round(self.clock() - started, 3),
                       **({"stall_s": round(stall, 3)} if stall is not None else {})}
             return Manifest(step=step, train_state=state, files={}, expectation=expectation.to_dict(),
-                            topology=self.adapter.topology(), config=self.settings.recorded_config(),
-                            timing=timing, adapter=self.adapter.name,
+                            topology={**self.adapter.topology(), **(layout or {})},
+                            config=self.settings.recorded_config(), timing=timing, adapter=self.adapter.name,
                             complete=self._reached_end(state.iteration), **record)
         return build
 
@@ -438,7 +444,7 @@ class Coordinator:
                 "resume: restored %s (iteration %d, %d successful, %d skipped updates, %d samples); "
                 "continuity ok: %s", self.run.dirname(restored.manifest.step), self.state.iteration,
                 self.state.updates_successful, self.state.updates_skipped, self.state.samples_read,
-                matched(restored.expected, resized=resized))
+                matched(restored.expected, resized=resized, relaid=restored.layout_change is not None))
 
     def _expectation_after_load(self, schedule: list[dict]) -> Expectation:
         """Collective, right after a load: the Expectation recomputed from the live objects,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ManifestError
+from .layout import ParallelLayout
 from .state import TrainState
 from .stragglers import check_stragglers
 from .text import short
@@ -112,6 +113,8 @@ class Manifest:
         for name in ("expectation", "topology", "config", "timing", "user"):
             if not isinstance(body.get(name, {}), dict):
                 raise ManifestError(f"{source}: {name}: expected an object, actual {body.get(name)!r:.80}")
+        if "layout" in body.get("topology", {}):  # refused here: the commit check passes it over
+            ParallelLayout.from_dict(body["topology"]["layout"], source=source)
         changes = _parse_changes(body.get("changes", []), source=source)
         complete = body.get("complete", False)
         if not isinstance(complete, bool):

@@ -35,6 +35,7 @@ from .errors import (
     NoValidCheckpointError,
     ResumeError,
 )
+from .layout import ParallelLayout, assemble_layout, layout_change
 from .manifest import Manifest
 from .rewind import carried, expect_declared_break, pending_rewind
 from .rng import RngRegistry, check_state
@@ -61,6 +62,8 @@ class Restored:
     """The rewinds this line went through, with the one this restore applied (``resume.rewind``)."""
     skips: Skips
     """Every sample range they pass over (``resume.skips``)."""
+    layout_change: str | None = None
+    """The layout change this restore let through, in words (``resume.layout``); None: none."""
 
 
 class Restorer:
@@ -76,19 +79,29 @@ class Restorer:
         self.accept = accept
         self.prepared: tuple[Any] | None = None  # what adapter.prepare_load() returned
         self._rank_state: tuple[int, dict] | None = None  # (step, this rank's state), checked
+        self.layout_checked: int | None = None
+        """The step whose layout was checked last (every rank)."""
+        self.layouts: tuple[ParallelLayout | None, ParallelLayout | None] = (None, None)
+        """(saved, live) as that check found them (rank 0 only)."""
+        self.changed_layout: dict | None = None
+        """The layout change let through (``{"text", "record"}``, every rank); None: none."""
 
     # -- choosing -------------------------------------------------------------------------------
 
-    def choose(self, *, prepare: bool = False) -> Manifest | None:
+    def choose(self, *, prepare: bool = False, layout: bool = True) -> Manifest | None:
         """The newest committed checkpoint whose files all verify; None for a fresh start.
 
         Rank 0 discovers (``Run.find_latest``: the commit check, newest first, stopping at the
         first committed one) and sends every rank the manifest; then, with ``verify_on_restore``,
         every rank reads its share of its files and compares checksums, so a corrupt newest
         checkpoint is passed over for the previous one. With ``prepare`` the reads overlap the
-        adapter's ``prepare_load()``.
+        adapter's ``prepare_load()``. With ``layout``, each candidate's layout is checked first,
+        before its files are read (``coord.peek()`` leaves it to the load: the program may
+        rebuild its stage after the peek).
         """
         def problems(manifest: Manifest) -> list[str]:
+            if layout:  # before any file is read: a refusal, not a problem
+                self._check_layout(manifest)
             found = self.verify_share(manifest, prepare=prepare) if self.settings.verify_on_restore else []
             if self.settings.verify_on_restore and not found:
                 found = self._rank_state_problems(manifest) or self.coll.on_rank0(
@@ -127,6 +140,26 @@ class Restorer:
             except OSError as e:
                 log.warning("resume: cannot point LATEST at %s: %s", self.run.dirname(chosen.step), e)
 
+    def _check_layout(self, manifest: Manifest) -> None:
+        """Collective: the checkpoint's layout against every rank's (``resume.layout``), compared on
+        rank 0. Another layout whose shards load exactly is let through (kept for the comparison
+        of the moments and the next manifests); one that cannot is refused here, on every rank,
+        before any file of the checkpoint is read."""
+        source = self.run.storage.url(join(self.run.dirname(manifest.step), "manifest.json"))
+
+        def compare_layouts(parts: list[dict | None]) -> dict | None:
+            raw = manifest.topology.get("layout")
+            saved = ParallelLayout.from_dict(raw, source=source) if raw is not None else None
+            live = assemble_layout(parts, world_size=self.coll.world_size)
+            change = layout_change(saved, live)
+            self.layouts = (saved, live)
+            return None if change is None else {"text": change.describe(), "record": change.record(manifest.step)}
+        self.changed_layout = self.coll.gather(self.adapter.layout_part, f"layout check of {source}",
+                                              combine=compare_layouts, everywhere=True)
+        self.layout_checked = manifest.step
+        if self.changed_layout is not None and self.coll.rank == 0:
+            log.warning("resume: %s: %s", self.run.dirname(manifest.step), self.changed_layout["text"])
+
     def verify_share(self, manifest: Manifest, *, prepare: bool = False) -> list[str]:
         """``verify_share``; with ``prepare`` the reads run beside the adapter's ``prepare_load()``
         (a fresh optimizer's state made ready to be loaded into): I/O and compute overlap."""
@@ -152,6 +185,8 @@ class Restorer:
         expected = Expectation.from_dict(manifest.expectation, source=source)
         # Config first: a changed global batch or seed is named before anything is loaded.
         compare_config(manifest.config, self.settings.recorded_config())
+        if self.layout_checked != manifest.step:  # chosen by a peek
+            self._check_layout(manifest)
         # A rewind to this checkpoint (resume rewind): its accepted names and skips apply now.
         rewind = self.coll.on_rank0(lambda: pending_rewind(self.run, manifest))
         rewinds = list(manifest.rewinds) + ([carried(rewind)] if rewind is not None else [])
@@ -182,10 +217,21 @@ class Restorer:
         def check() -> None:
             if rewind is not None:
                 expect_declared_break(expected, actual, rewind)
-            compare(expected, actual, resized=saved_world != self.coll.world_size)
+            compare(expected, actual, resized=saved_world != self.coll.world_size, stages=self._stage_maps(manifest))
         self.coll.on_rank0(check)
+        relaid = self.changed_layout if self.layout_checked == manifest.step else None
         return Restored(manifest, state, expected,
-                        list(manifest.changes) + [c.record(manifest.step) for c in accepted], rewinds, skips)
+                        list(manifest.changes) + [c.record(manifest.step) for c in accepted]
+                        + ([relaid["record"]] if relaid is not None else []),
+                        rewinds, skips, relaid["text"] if relaid is not None else None)
+
+    def _stage_maps(self, manifest: Manifest) -> tuple[list[int], list[int]] | None:
+        """Rank 0, after a layout change or on another world size: each rank's pipeline stage,
+        saved and now, to compare the moments as global totals; None: per rank, as before."""
+        saved, live = self.layouts if self.layout_checked == manifest.step else (None, None)
+        if saved is None or live is None or (self.changed_layout is None and saved.world_size == live.world_size):
+            return None
+        return saved.stage_of_rank(), live.stage_of_rank()
 
     def _load_objects(self, manifest: Manifest, accepted: list[Change], skips: Skips) -> None:
         """Rank state read and agreed on first (a bad file on one rank fails every rank instead

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from resume.layout import name_weight
+
 __all__ = ["bits_view", "fingerprint_states", "moment_fingerprint"]
 
 
@@ -35,15 +37,23 @@ def _counts_here(value: Any) -> bool:
     return True
 
 
-def moment_fingerprint(opt: torch.optim.Optimizer) -> dict:
-    return fingerprint_states([opt.state.get(p, {}) for group in opt.param_groups for p in group["params"]])
+def moment_fingerprint(opt: torch.optim.Optimizer, names: dict | None = None) -> dict:
+    """``names``: parameter -> its checkpoint names (the first, sorted, weighs its moments)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return fingerprint_states([opt.state.get(p, {}) for p in params],
+                              [min(names[p]) if names and names.get(p) else None for p in params])
 
 
-def fingerprint_states(states: list[dict]) -> dict:
-    """Bit sums per state key of the given per-parameter optimizer states (resume.continuity)."""
-    partial: dict[str, dict[str, list[torch.Tensor]]] = {"replicated": {}, "sharded": {}}
+def fingerprint_states(states: list[dict], names: list[str | None] | None = None) -> dict:
+    """Bit sums per state key of the given per-parameter optimizer states (resume.continuity).
+
+    ``names``: each state's parameter name; given for every state, each kind also records
+    ``named``, the sums weighted by their names (``resume.layout.name_weight``): a moment loaded
+    under another name changes it where the plain sums stay equal."""
+    sums: dict[str, list[tuple[str, str | None, torch.Tensor]]] = {"replicated": [], "sharded": []}
     numel = {"replicated": 0, "sharded": 0}
-    for state in states:
+    weighed = names is not None and len(names) == len(states) and all(n is not None for n in names)
+    for index, state in enumerate(states):
         for key, value in state.items():
             if key == "step" or not isinstance(value, torch.Tensor):
                 continue
@@ -54,16 +64,21 @@ def fingerprint_states(states: list[dict]) -> dict:
             if local.numel() == 0:
                 continue
             bits, acc = bits_view(local.detach())
-            partial[kind].setdefault(str(key), []).append(bits.sum(dtype=acc).to(torch.int64))
+            sums[kind].append((str(key), names[index] if weighed else None, bits.sum(dtype=acc).to(torch.int64)))
             numel[kind] += local.numel()
+    every = [t for kind in ("replicated", "sharded") for _, _, t in sums[kind]]
+    # One transfer for every tensor's sum: the partial sums stay on their device until here.
+    values = iter(torch.stack([t.to(every[0].device) for t in every]).cpu().tolist() if every else [])
     out = {}
     for kind in ("replicated", "sharded"):
-        keys = sorted(partial[kind])
-        if not keys:
-            out[kind] = {"bits": {}, "numel": numel[kind]}
-            continue
-        # One transfer per optimizer and kind: the partial sums stay on their device until here.
-        totals = torch.stack([torch.stack([t.to(partial[kind][keys[0]][0].device) for t in partial[kind][k]]
-                                          ).sum() for k in keys]).cpu().tolist()
-        out[kind] = {"bits": {k: int(v) & 0xFFFFFFFF for k, v in zip(keys, totals)}, "numel": numel[kind]}
+        bits: dict[str, int] = {}
+        named: dict[str, int] = {}
+        for key, name, _ in sums[kind]:
+            value = next(values) & 0xFFFFFFFF
+            bits[key] = (bits.get(key, 0) + value) & 0xFFFFFFFF
+            if name is not None:
+                named[key] = (named.get(key, 0) + value * name_weight(name)) & 0xFFFFFFFF
+        out[kind] = {"bits": dict(sorted(bits.items())), "numel": numel[kind]}
+        if weighed:
+            out[kind]["named"] = dict(sorted(named.items()))
     return out

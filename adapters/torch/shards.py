@@ -109,14 +109,17 @@ class DcpShardsMixin:
 
     def fingerprint_staged(self, staged: Any) -> list[dict]:
         per_optimizer: list[list[dict]] = [[] for _ in self.optimizers]
+        named: list[list[str]] = [[] for _ in self.optimizers]
         seen = set()
-        for fqn, entry in staged["state"]["optim"].get("state", {}).items():
+        # Sorted: a parameter under two names counts once, under its first (as moment_fingerprint).
+        for fqn, entry in sorted(staged["state"]["optim"].get("state", {}).items()):
             owner = staged["owners"].get(fqn)
-            if owner is None or owner in seen:  # a parameter under two names counts once
+            if owner is None or owner in seen:
                 continue
             seen.add(owner)
             per_optimizer[owner[0]].append(entry)
-        return [fingerprint_states(states) for states in per_optimizer]
+            named[owner[0]].append(fqn)
+        return [fingerprint_states(states, names) for states, names in zip(per_optimizer, named)]
 
     def load_shards(self, storage: Storage, step_dir: str, manifest: Manifest | None = None) -> None:
         """Collective. ``manifest``: the step's, as the restore verified it (its file sizes bound

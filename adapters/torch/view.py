@@ -96,7 +96,8 @@ class OptimizerViewMixin:
         one rank) survives an elastic restart as a total over the ranks, ``replicated``
         (plain tensors: every data-parallel rank holds the whole) as each rank's value.
         """
-        return [moment_fingerprint(opt) for opt in self.optimizers]
+        names = self._param_names()
+        return [moment_fingerprint(opt, names) for opt in self.optimizers]
 
     def lr_groups(self) -> list[str]:
         """A label per param group, in the order of ``current_lrs()``."""
