@@ -26,7 +26,9 @@ def bits_view(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
 
 
 def _counts_here(value: Any) -> bool:
-    """A DTensor replicated over some mesh dimension is counted by its first replica only."""
+    """A DTensor replicated over some mesh dimension is counted by its first replica only, and one
+    whose mesh is part of a larger one (FSDP's data-parallel mesh inside data x tensor parallel)
+    by the first copy of that mesh only: the other copies hold the same shards."""
     placements = getattr(value, "placements", None)
     mesh = getattr(value, "device_mesh", None)
     if placements is None or mesh is None:
@@ -34,7 +36,31 @@ def _counts_here(value: Any) -> bool:
     for dim, placement in enumerate(placements):
         if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
             return False
-    return True
+    return _in_first_copy(mesh)
+
+
+_FIRST_COPY: dict[int, tuple[Any, bool]] = {}  # id(mesh) -> (the mesh, whether this rank counts)
+
+
+def _in_first_copy(mesh: Any) -> bool:
+    """Whether this rank's copy of ``mesh`` is the first within its root mesh: along each root
+    dimension the mesh does not span, this rank's coordinate is 0."""
+    known = _FIRST_COPY.get(id(mesh))
+    if known is not None and known[0] is mesh:
+        return known[1]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    counts = True
+    if root is not mesh and root.get_coordinate() is not None:
+        ranks = root.mesh
+        members = torch.isin(ranks, mesh.mesh.flatten())
+        where = members.nonzero()  # the root coordinates of the mesh's ranks
+        mine = root.get_coordinate()
+        counts = all(mine[d] == 0 for d in range(ranks.ndim) if bool((where[:, d] == where[0, d]).all())
+                     and ranks.shape[d] > 1)
+    if len(_FIRST_COPY) > 1024:
+        _FIRST_COPY.clear()
+    _FIRST_COPY[id(mesh)] = (mesh, counts)
+    return counts
 
 
 def moment_fingerprint(opt: torch.optim.Optimizer, names: dict | None = None) -> dict:
