@@ -21,6 +21,7 @@ compared as totals over the global tensors (``global_moments``), the same for an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,6 +52,7 @@ def stage_digest(names: Any) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def name_weight(name: str) -> int:
     """An odd 32-bit weight per state name: a moment's bit sum times its name's weight, summed,
     tells a moment loaded under another name from the right one (``global_moments``)."""
@@ -293,9 +295,9 @@ def layout_change(saved: ParallelLayout | None, live: ParallelLayout | None) -> 
                              "layout it was saved on can load: restart on that layout")
     for degree in changed:
         why = saved.fixed.get(degree) or saved.fixed.get("*")
-        if why and degree == "pipeline" and (saved.stages or live.stages):
-            why += (f" (saved stages: {'; '.join(s.describe() for s in saved.stages)}; now: "
-                    f"{'; '.join(s.describe() for s in live.stages)})")
+        if why and degree == "pipeline" and saved.stages:
+            now = "; ".join(s.describe() for s in live.stages) or f"{live.pipeline} stage(s), not known yet"
+            why += f" (saved stages: {'; '.join(s.describe() for s in saved.stages)}; now: {now})"
         if why:
             _refuse(saved, live, why)
     return LayoutChange(saved, live, tuple(changed))

@@ -162,3 +162,9 @@ def test_a_statement_of_the_layout_is_checked(tmp_path):
             NativeTorchAdapter(model, opt, parallel=stated)
     adapter = NativeTorchAdapter(model, opt, parallel={"tensor": 2, "scheme": "mine"})
     assert adapter.layout_part()["degrees"] == {"tensor": 2} and adapter.layout_part()["how"] == "stated"
+    # A tensor degree no DTensor shows is the program's own split: the checkpoint keeps it.
+    saved = assemble_layout([NativeTorchAdapter(model, opt, parallel={"tensor": 2}).layout_part()], world_size=2)
+    assert "stated by the program" in saved.fixed["tensor"]
+    assert layout_change(saved, ParallelLayout(world_size=1, tensor=2)) is not None  # DP may change
+    with pytest.raises(ContinuityError, match="restart with the same tensor degree"):
+        layout_change(saved, ParallelLayout(world_size=2, dp_replicate=2))

@@ -10,11 +10,14 @@ What is read, in this order:
   names them); an unnamed one counts as tensor parallel;
 - the pipeline stage: the set of parameter names this rank holds (``resume.layout.stage_digest``),
   the same on every layout for one stage; the degree is how many distinct sets the ranks hold;
-- how each parameter is placed: ``Shard(0) over dp_shard=2`` or ``plain``, counted.
+- how each parameter is placed: ``S(0) over dp=2`` (torch's short form of ``Shard(0)``) or
+  ``plain``, counted.
 
 What cannot be read (a hand-written tensor-parallel split, a program's own shard scheme) is
 stated: ``NativeTorchAdapter(..., parallel={"tensor": 2, "scheme": "flat-zero1"})``; a stated
-degree wins over a read one, and a ``scheme`` makes the checkpoint loadable on its own layout only.
+degree wins over a read one. A tensor, context or expert degree stated where no DTensor shows it
+is a split of the program's own: that degree is then fixed (``resume.layout``'s ``fixed``), and a
+``scheme`` makes the checkpoint loadable on its own layout only.
 """
 
 from __future__ import annotations
@@ -122,11 +125,18 @@ def read_layout_part(parts: list[torch.nn.Module], names: dict, stated: dict) ->
         degrees["dp_replicate"], degrees["dp_shard"] = fsdp[0], fsdp[1]
     elif ddp is not None:
         degrees["dp_replicate"] = ddp
+    fixed = {"pipeline": PER_STAGE}
+    for key, value in stated.items():
+        if key in ("tensor", "context", "expert") and value > 1 and degrees.get(key, 1) == 1:
+            fixed[key] = (f"the {key} degree {value} is stated by the program (parallel=...), not read from "
+                          "DTensor parameters: a split of the program's own, which the checkpoint's shards "
+                          f"do not describe; restart with the same {key} degree, or split with DTensor "
+                          "(parallelize_module) so that the layout is read")
     degrees.update({k: v for k, v in stated.items() if k != "scheme"})
     held = sorted({fqn for fqns in names.values() for fqn in fqns})
     read = fsdp is not None or ddp is not None or set(placements) - {"plain"}
     how = "stated" if stated else "read" if read else "assumed"
-    return {"degrees": degrees, "how": how, "scheme": stated.get("scheme"), "fixed": {"pipeline": PER_STAGE},
+    return {"degrees": degrees, "how": how, "scheme": stated.get("scheme"), "fixed": fixed,
             "placements": dict(sorted(placements.items())[:64]),
             "stage": {"digest": stage_digest(held), "names": len(held),
                       "first": held[0][:200] if held else "", "last": held[-1][:200] if held else ""}}

@@ -119,10 +119,16 @@ class StateMixin:
                 "param_groups": [g for g in optim_sd.get("param_groups", []) if set(g["params"]) & fqns]}
 
     def _param_names(self) -> dict:
-        names = {}
-        for part in self.model_parts:
-            for name, param in part.named_parameters():
-                names[param] = _get_fqns(part, name)
+        """Parameter -> its checkpoint names (FQNs), worked out again only when the parameters or
+        their names changed (every save asks, for the moments' fingerprint and the layout)."""
+        named = [(id(part), name, param) for part in self.model_parts for name, param in part.named_parameters()]
+        key = tuple((p, n, id(param)) for p, n, param in named)
+        cached = getattr(self, "_names_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        parts = {id(part): part for part in self.model_parts}
+        names = {param: _get_fqns(parts[p], n) for p, n, param in named}
+        self._names_cache = (key, names)
         return names
 
     def _fqns_per_optimizer(self) -> list[set[str]]:

@@ -6,15 +6,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from ..cluster.reference import DEFAULT_INPUTS
-from ..errors import EXIT_OK
+from ..errors import EXIT_OK, EXIT_USAGE, UsageError
 from .common import command, emit_json, json_option
 
 if TYPE_CHECKING:
     from ..cluster.layout import Layout
+    from ..layout import ParallelLayout
+    from ..relayout import Candidate
+    from ..run import Run
 
-__all__ = ["layout_options", "plan", "print_layout", "print_simulation", "simulate"]
+__all__ = ["layout_options", "plan", "plan_from_run", "print_layout", "print_restorable", "print_simulation",
+           "simulate"]
 
 
 def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,15 +40,28 @@ def layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.command()
 @layout_options
+@click.option("--from-run", "from_run", metavar="RUN", default=None,
+              help="List the layouts the run's newest committed checkpoint can be restored on over "
+                   "--nodes x --gpus-per-node ranks (--tp, --pp, --cp given: only those).")
 @json_option
 @command
 def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int, global_batch: int,
-         micro_batch: int, as_json: bool) -> int:
+         micro_batch: int, from_run: str | None, as_json: bool) -> int:
     """The parallel layout: replicas, spares, valid data-parallel sizes, checkpoint interval.
 
     Defaults are the reference run: 640 nodes x 8 GPUs, TP8 x PP8 x DP80,
     global batch 1,920. Exits 2 for a layout that does not fit.
+
+    With --from-run RUN --nodes N: every TP x PP x CP x DP over the N x G ranks (spares left out)
+    that splits the checkpoint's global batch, each marked as a restore would judge it: as
+    saved, resharded (its shards load exactly there) or refused, with why. Exits 2 when none
+    loads it (or for bad usage), 3 when RUN has no committed checkpoint or its newest records
+    no layout, 1 when none of its step directories holds a valid one.
     """
+    if from_run is not None:
+        return plan_from_run(from_run, nodes=nodes, gpus_per_node=gpus_per_node, spares=spares,
+                             micro_batch=micro_batch, global_batch=global_batch,
+                             only={"tensor": tp, "pipeline": pp, "context": cp}, as_json=as_json)
     from ..cluster.layout import Layout
     from ..cluster.simulate import Assumptions, best_interval, plan_spares
 
@@ -62,6 +80,96 @@ def plan(nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, spares: int,
         return EXIT_OK
     print_layout(layout, best.interval_s, yd, recommended)
     return EXIT_OK
+
+
+def _given(name: str) -> bool:
+    """Whether option ``name`` was given (on the command line or by its environment variable)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def plan_from_run(run_url: str, *, nodes: int, gpus_per_node: int, spares: int, micro_batch: int,
+                  global_batch: int, only: dict[str, int], as_json: bool) -> int:
+    """``plan --from-run``: the layouts the newest committed checkpoint of ``run_url`` can be
+    restored on, over ``nodes - spares`` nodes of ``gpus_per_node`` ranks."""
+    from ..relayout import batch_sizes, restorable_layouts, saved_layout
+    from ..run import Run
+
+    _check_counts(nodes, gpus_per_node, spares)
+    run = Run.open(run_url)
+    manifest, passed_over = run.find_latest()
+    if manifest is None:
+        manifest = run.latest_or_raise()  # raises: none committed (exit 3), none valid of those there (exit 1)
+    source = run.storage.url(run.manifest_path(manifest.step))
+    saved = saved_layout(manifest.topology, source=source)
+    gb, mb = batch_sizes(manifest.config, source=source, micro_batch=micro_batch if _given("micro_batch") else None)
+    if _given("global_batch") and global_batch != gb:
+        raise UsageError(f"--global-batch: expected the checkpoint's global batch {gb} (a restore keeps it), "
+                         f"actual {global_batch}")
+    world = (nodes - spares) * gpus_per_node
+    found = restorable_layouts(saved, world_size=world, gpus_per_node=gpus_per_node, global_batch=gb,
+                               micro_batch=mb, only={k: v for k, v in only.items() if _given(_OPTION[k])})
+    body = {"run": run.url, "step": manifest.step, "iteration": manifest.train_state.iteration,
+            "saved": saved.to_dict(), "saved_description": saved.describe(), "nodes": nodes, "spares": spares,
+            "gpus_per_node": gpus_per_node, "world_size": world, "global_batch": gb, "micro_batch": mb,
+            "passed_over": [{"step": r.step, "reason": r.reason} for r in passed_over],
+            "layouts": [c.to_dict() for c in found]}
+    if as_json:
+        emit_json(body)
+    else:
+        print_restorable(run, manifest.step, saved, body, found)
+    if any(c.verdict != "refused" for c in found):
+        return EXIT_OK
+    click.echo(f"resume: error: {run.url}: {run.dirname(manifest.step)}: layouts over {world} ranks: expected "
+               f"one that loads the checkpoint, actual none of {len(found)}", err=True)
+    return EXIT_USAGE
+
+
+_OPTION = {"tensor": "tp", "pipeline": "pp", "context": "cp"}
+
+
+def _check_counts(nodes: int, gpus_per_node: int, spares: int) -> None:
+    """``plan --from-run``'s node counts: --nodes given, every count positive, spares fewer than nodes."""
+    if not _given("nodes"):
+        raise UsageError("plan --from-run: --nodes: expected the number of nodes to restore on, actual none given")
+    if nodes < 1 or gpus_per_node < 1:
+        raise UsageError(f"plan --from-run: --nodes, --gpus-per-node: expected positive integers, actual "
+                         f"{nodes}, {gpus_per_node}")
+    if not 0 <= spares < nodes:
+        raise UsageError(f"plan --from-run: --spares: expected 0..{nodes - 1}, actual {spares}")
+
+
+def print_restorable(run: Run, step: int, saved: ParallelLayout, body: dict[str, Any],
+                     found: list[Candidate]) -> None:
+    """``plan --from-run``'s lines: the checkpoint and its layout, each layout a restore may run
+    on (as saved, resharded: what changes), then the refused ones by reason."""
+    from .show import layout_lines
+
+    for r in body["passed_over"]:
+        click.echo(f"passed over {run.dirname(r['step'])}: {r['reason']}")
+    click.echo(f"checkpoint    {run.dirname(step)} (iteration {body['iteration']}, global batch "
+               f"{body['global_batch']}, micro-batch {body['micro_batch']}) of {run.url}")
+    for line in layout_lines({"layout": body["saved"]}, source=run.url, indent="", label="saved on"):
+        click.echo(line)
+    nodes = body["nodes"] - body["spares"]
+    click.echo(f"restore on    {nodes} node{'s' if nodes != 1 else ''} x {body['gpus_per_node']} GPUs = "
+               f"{body['world_size']} ranks; DP divides {body['global_batch'] // body['micro_batch']} "
+               f"micro-batches; {len(found)} layouts")
+    shown = [c for c in found if c.verdict != "refused"]
+    if shown:
+        click.echo(f"  {'layout':<28}  {'replicate x shard':>17}  verdict")
+    for c in shown:
+        what = c.verdict + (f" ({c.change_text(saved)})" if c.changed else "")
+        click.echo(f"  {c.degrees_text():<28}  {f'{c.layout.dp_replicate} x {c.layout.dp_shard}':>17}  {what}")
+    if not shown:
+        click.echo("  none: no layout over these ranks loads this checkpoint")
+    refused: dict[str, list[Candidate]] = {}
+    for c in found:
+        if c.verdict == "refused":
+            refused.setdefault(c.why, []).append(c)
+    for why, cs in refused.items():
+        names = ", ".join(c.degrees_text() for c in cs[:4]) + (f", ... ({len(cs)} layouts)" if len(cs) > 4 else "")
+        click.echo(f"  refused     {names}: {why}")
 
 
 def print_layout(layout: Layout, interval_s: float, yd: float, recommended: int) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ..layout import ParallelLayout
 from ..lease import Holder
 from ..manifest import Manifest
 from ..run import CheckResult, Run
@@ -17,8 +18,8 @@ from ..stragglers import describe
 from ..verify import Verdict
 from .common import emit_json
 
-__all__ = ["abandoned", "counter_list", "framework_save", "human_bytes", "lease_record", "listed", "listing",
-           "manifest", "shown", "verdict"]
+__all__ = ["abandoned", "counter_list", "framework_save", "human_bytes", "layout_lines", "layout_text",
+           "lease_record", "listed", "listing", "manifest", "shown", "verdict"]
 
 
 def verdict(run: Run, found: Verdict, *, deep: bool) -> None:
@@ -189,7 +190,10 @@ def _manifest_header(run: Run, m: Manifest) -> None:
     if framework:
         click.echo(f"  {run.layout.name:<13} " + counter_list(framework))
     click.echo(f"  config        {json.dumps(m.config, sort_keys=True)}")
-    click.echo(f"  topology      {json.dumps(m.topology, sort_keys=True)}")
+    topology = {k: v for k, v in m.topology.items() if k != "layout"}  # the layout has lines of its own
+    click.echo(f"  topology      {json.dumps(topology, sort_keys=True)}")
+    for line in layout_lines(m.topology, source=run.storage.url(run.manifest_path(m.step))):
+        click.echo(line)
     click.echo(f"  user          {json.dumps(m.user, sort_keys=True) if m.user else 'none'}")
     click.echo("  complete      " + ("yes (the run's last checkpoint)" if m.complete else "no"))
     if m.stragglers is not None:  # measured since the previous save (resume.stragglers)
@@ -229,3 +233,44 @@ def framework_save(run: Run, r: CheckResult, as_json: bool) -> None:
         click.echo(f"  {run.layout.name:<13} " + counter_list(f.framework_counters))
     if f.checked:
         click.echo(f"  checked       {f.checked}")
+
+
+_PLACEMENT_KINDS = 4
+"""Placement kinds named on ``inspect``'s layout line (the most common; ``--json`` has them all)."""
+
+
+def printable(text: str) -> str:
+    """``text`` as is when printable, else quoted as JSON: names come from an untrusted manifest."""
+    return text if text.isprintable() else json.dumps(text)
+
+
+def layout_text(layout: ParallelLayout) -> str:
+    """``DP2 (shard 2) on 2 ranks (read); placements: Shard(0) over dp=2 x 12; pipeline: 1 stage``."""
+    kinds = sorted(layout.placements.items(), key=lambda kv: (-kv[1], kv[0]))
+    placed = ", ".join(f"{printable(kind)} x {n}" for kind, n in kinds[:_PLACEMENT_KINDS])
+    if len(kinds) > _PLACEMENT_KINDS:
+        placed += f", {len(kinds) - _PLACEMENT_KINDS} more kinds"
+    stages = len(layout.stages)
+    return (f"{printable(layout.describe())} ({printable(layout.how)}); placements: {placed or 'none'}; "
+            f"pipeline: {stages} stage{'s' if stages != 1 else ''}")
+
+
+def layout_lines(topology: dict, *, source: str, indent: str = "  ", label: str = "layout") -> list[str]:
+    """``inspect``'s lines for a manifest's layout: the layout, each pipeline stage's first and
+    last state names (when there are several), and what the checkpoint cannot be restored at
+    another value of (``fixed``)."""
+    if "layout" not in topology:
+        return [f"{indent}{label:<14}not recorded (written before layouts were recorded)"]
+    layout = ParallelLayout.from_dict(topology["layout"], source=source)
+    lines = [f"{indent}{label:<14}{layout_text(layout)}"]
+    if len(layout.stages) > 1:
+        ranks = [0] * len(layout.stages)
+        for stage, count in layout.rank_stage:
+            ranks[stage] += count
+        for i, (stage, n) in enumerate(zip(layout.stages, ranks)):
+            lines.append(f"{indent}  {f'stage {i}':<12}{printable(stage.describe())} on {n} "
+                         f"rank{'s' if n != 1 else ''}")
+    for degree, why in sorted(layout.fixed.items()):
+        what = "any change" if degree == "*" else printable(degree)
+        lines.append(f"{indent}  {'fixed':<12}{what}: {printable(why)}")
+    return lines
