@@ -196,8 +196,13 @@ class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerVie
         return JobEnvironment.from_env().job_id
 
     def layout_part(self) -> dict:
-        """Read from the objects (``resume.adapters.torch.layout``), ``parallel`` stated over it."""
-        return read_layout_part(self.model_parts, self._param_names(), self.parallel)
+        """Read from the objects (``resume.adapters.torch.layout``), ``parallel`` stated over it;
+        read again only when the parameters changed (every save asks)."""
+        names = self._param_names()
+        cached = getattr(self, "_layout_cache", None)
+        if cached is None or cached[0] is not names:
+            cached = self._layout_cache = (names, read_layout_part(self.model_parts, names, self.parallel))
+        return cached[1]
 
     def topology(self) -> dict:
         topology: dict = {"world_size": self.comm.world_size}
