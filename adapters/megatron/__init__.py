@@ -8,6 +8,8 @@ Modules, each one job:
 - ``check``: a save without a manifest checked from Megatron's own ``.metadata``;
 - ``layout``: the save directory as a run (``MEGATRON_LAYOUT``, registered at import);
 - ``record``: what a manifest records beyond the files; ``vet``: pickles vetted before a load;
+- ``parallel``: the parallel layout read from Megatron's arguments, and which degrees its
+  checkpoint format fixes (``resume.layout``);
 - ``recorder``: ``MegatronRecorder``, the commit after each save and the checks around each
   load (``restart``); ``asyncsave``: the commit of ``--async-save`` at Megatron's finalize;
 - ``updates``: rank 0's update journal (``resume.journal``), fed from ``train_step``;

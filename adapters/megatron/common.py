@@ -42,6 +42,10 @@ ARG_FIELDS = (
     "lr_warmup_fraction", "lr_decay_samples", "lr_decay_iters", "lr_decay_style",
     "lr_wsd_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_style", "dataloader_type",
     "data_path", "split", "tokenizer_type", "vocab_size", "rampup_batch_size", "ckpt_format",
+    # the layout and the format settings that decide which degrees a restart may change (``parallel``)
+    "expert_model_parallel_size", "num_distributed_optimizer_instances", "use_distributed_optimizer",
+    "use_layer_wise_distributed_optimizer", "dist_ckpt_optim_fully_reshardable", "ckpt_fully_parallel_save",
+    "use_megatron_fsdp", "use_torch_fsdp2",
 )
 """The arguments the orchestrator reads (JSON-able values only)."""
 

@@ -14,9 +14,11 @@ from resume.checksum import digest_parts
 from resume.run import Run
 from resume.storage import join
 
-__all__ = ["ADAPTER_NAME", "DATA_ARGS", "data_config", "data_parallel_rank", "group_overrides", "list_files",
+from .parallel import megatron_layout
+
+__all__ = ["ADAPTER_NAME", "DATA_ARGS", "DEGREE_KEYS", "data_config", "data_parallel_rank", "group_overrides", "list_files",
            "lr_ahead_megatron", "megatron_lr_numbering", "next_batch", "next_batch_ids", "rng_digest",
-           "run_config", "topology"]
+           "run_config", "same_degrees", "topology"]
 
 ADAPTER_NAME = "megatron-core"
 DATA_ARGS = ("data_path", "split", "dataloader_type", "tokenizer_type", "vocab_size", "seq_length", "seed")
@@ -59,11 +61,21 @@ def run_config(args: Any) -> dict:
 
 
 def topology(args: Any, world_size: int) -> dict:
-    return {"world_size": world_size,
-            "tensor_parallel": getattr(args, "tensor_model_parallel_size", 1),
-            "pipeline_parallel": getattr(args, "pipeline_model_parallel_size", 1),
-            "context_parallel": getattr(args, "context_parallel_size", 1),
-            "data_parallel": getattr(args, "data_parallel_size", None)}
+    """The manifest's ``topology``: the degrees (the keys manifests have always had) and the layout
+    (``resume.layout``: with the format settings that decide which degrees a restart may change)."""
+    layout = megatron_layout(args, world_size)
+    return {"world_size": world_size, "tensor_parallel": layout.tensor, "pipeline_parallel": layout.pipeline,
+            "context_parallel": layout.context, "data_parallel": layout.data_parallel, "layout": layout.to_dict()}
+
+
+DEGREE_KEYS = ("world_size", "tensor_parallel", "pipeline_parallel", "context_parallel", "data_parallel")
+"""The degrees of ``topology`` that decide where each rank's state goes (RNG per rank)."""
+
+
+def same_degrees(recorded: dict, now: dict) -> bool:
+    """Whether two topologies (``topology``) name the same degrees; the format settings recorded
+    beside them do not move any rank's state."""
+    return all(recorded.get(k) == now.get(k) for k in DEGREE_KEYS)
 
 
 def megatron_lr_numbering(iteration: int, k: int) -> str:

@@ -12,7 +12,8 @@ Megatron writes and reads its checkpoints itself (``--ckpt-format torch_dist``);
   whose files verify, vetted pickles, the arguments against the record, and the
   continuity check on the live objects (``ContinuityError`` before the first iteration);
   a rewind to the checkpoint loaded (``resume rewind``) is applied and carried in every
-  later manifest (``rewinds``);
+  later manifest (``rewinds``); another parallel layout is refused before Megatron's load
+  where its format cannot reshard, else logged and carried (``changes``; ``parallel``);
 - rank 0's update journal (``updates``): one record per iteration, sealed by each commit
   (the manifest's ``journal``).
 
@@ -129,6 +130,9 @@ class MegatronRecorder:
         self._updates: MegatronUpdates | None = None
         self.rewinds: list[dict] = []
         """The rewinds this line of the run went through (manifest ``rewinds``; ``resume.rewind``)."""
+        self.changes: list[dict] = []
+        """What restarts of this line changed on purpose, ``{step, item, from, to}``: another
+        parallel layout (manifest ``changes``)."""
 
     @property
     def comm(self) -> Comm:
@@ -286,7 +290,8 @@ class MegatronRecorder:
         return Manifest(step=iteration, train_state=TrainState(**first["state"]), files={},
                         expectation=expectation, topology=topology(args, self.comm.world_size),
                         config=run_config(args), adapter=ADAPTER_NAME, stragglers=summarize(parts),
-                        timing={"manifest_s": round(self.clock() - started, 3)}, rewinds=list(self.rewinds))
+                        timing={"manifest_s": round(self.clock() - started, 3)}, rewinds=list(self.rewinds),
+                        changes=list(self.changes))
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -307,7 +312,7 @@ class MegatronRecorder:
             # A fresh start counts from zero; an unrecorded checkpoint's count is
             # unknown until the next save derives it.
             self._reset_count(None if iteration else 0, args)
-            self.rewinds = []
+            self.rewinds, self.changes = [], []
             if self.updates is not None:
                 self.updates.start(None, iteration or None)
             return
@@ -316,6 +321,7 @@ class MegatronRecorder:
         self._reset_count(recorded.updates_skipped, args)
         # A rewind to this checkpoint (resume rewind) is carried in every later manifest.
         self.rewinds = list(loaded.manifest.rewinds) + ([carried(loaded.rewind)] if loaded.rewind else [])
+        self.changes = list(loaded.manifest.changes) + loaded.changes  # another layout (``parallel``)
         if self.updates is not None:
             self.updates.start(loaded.manifest.journal, loaded.manifest.step)
         if self.comm.rank == 0:

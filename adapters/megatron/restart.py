@@ -4,7 +4,9 @@ Before the load (``choose``, collective): the newest committed checkpoint whose 
 verify (a failing one is passed over for the next older; ``--ckpt-step``: that one
 only); Megatron is pointed at it (``args.ckpt_step``) when its tracker names another;
 the pickles Megatron will unpickle are vetted; the run's arguments are checked against
-the record (another config or another LR ahead is refused). Without any manifest,
+the record (another config or another LR ahead is refused), and so is the parallel layout they
+give (``parallel``: another layout whose checkpoint format Megatron cannot reshard is refused,
+naming the flag; one it can is logged and carried in ``changes``). Without any manifest,
 Megatron's own save is checked against its ``.metadata`` and loaded unchecked.
 
 A rewind to the checkpoint chosen (``resume rewind``, ``resume.rewind.pending_rewind``) is
@@ -38,6 +40,7 @@ from resume.run import Run
 from resume.storage import join, open_storage
 
 from .check import check_save
+from .parallel import saved_layout_change
 from .record import (
     data_parallel_rank,
     group_overrides,
@@ -46,6 +49,7 @@ from .record import (
     next_batch_ids,
     rng_digest,
     run_config,
+    same_degrees,
     topology,
 )
 from .savedir import iteration_dirname, tracker_or_none
@@ -65,6 +69,9 @@ class Loaded:
     source: str
     rewind: dict | None = None
     """The rewind to this checkpoint this restart applies (``resume.rewind.pending_rewind``)."""
+    changes: list[dict] = field(default_factory=list)
+    """What this restart changes on purpose (``{step, item, from, to}``: another parallel layout),
+    carried in every later manifest (``Manifest.changes``)."""
 
 
 @dataclass
@@ -159,6 +166,7 @@ class MegatronRestart:
         source = self.run.storage.url(self.run.manifest_path(chosen.step))
         loaded = Loaded(chosen, source, self._rewind_to(chosen))
         self._check_arguments(chosen, args, source, rewind=loaded.rewind)  # before Megatron touches anything
+        self._check_layout(loaded, args)
         self.collective.on_rank0(lambda: self._vet_and_name_ignored(chosen, args))
         tracker = self.collective.on_rank0(lambda: tracker_or_none(self.run.storage))
         if tracker != chosen.step:
@@ -173,6 +181,17 @@ class MegatronRestart:
                         iteration_dirname(chosen.step))
             return None
         return loaded
+
+    def _check_layout(self, loaded: Loaded, args: Any) -> None:
+        """The checkpoint's parallel layout against the arguments' (``parallel``), on every rank alike
+        from the same manifest and arguments: another layout Megatron cannot load is refused here,
+        before its load reads anything; one it loads is logged and recorded in ``loaded.changes``."""
+        change = saved_layout_change(loaded.manifest, args, self.collective.world_size, source=loaded.source)
+        if change is None:
+            return
+        if self.collective.rank == 0:
+            log.warning("resume: %s: %s", iteration_dirname(loaded.manifest.step), change.describe())
+        loaded.changes.append(change.record(loaded.manifest.step))
 
     def _rewind_to(self, chosen: Manifest) -> dict | None:
         """Collective: the rewind this restart applies (None: none); refused with skips."""
@@ -293,7 +312,7 @@ class MegatronRestart:
 
     def _check_rng(self, expected: Expectation, manifest: Manifest, args: Any) -> None:
         """This rank's generators, where Megatron restores them exactly."""
-        same_layout = manifest.topology == topology(args, self.collective.world_size)
+        same_layout = same_degrees(manifest.topology, topology(args, self.collective.world_size))
         if not same_layout or getattr(args, "no_load_rng", False) or getattr(args, "finetune", False):
             return  # Megatron restores RNG per (pp, tp) rank only on the same layout
         if getattr(args, "data_parallel_random_init", False) and data_parallel_rank() != 0:
