@@ -64,7 +64,8 @@ def _fsdp_mesh(parts: list[torch.nn.Module]) -> tuple[int, int, Any] | None:
         for module in part.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            state = getattr(module, "_get_fsdp_state", None)  # private: read where torch has it
+            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
             info = getattr(group, "mesh_info", None)
             if info is None:
                 continue
