@@ -47,14 +47,14 @@ from .torch.objects import (
 )
 from .torch.schedules import lr_value
 from .torch.settings import SettingsMixin
-from .torch.shards import DcpShardsMixin
+from .torch.shards import DcpShardsMixin, IndexedLoadMixin
 from .torch.state import StateMixin
 from .torch.view import OptimizerViewMixin
 
 __all__ = ["MODEL_STATE_MODES", "NativeTorchAdapter", "TorchDistComm", "allreduce_each_gradient", "comm_for"]
 
 
-class NativeTorchAdapter(DcpShardsMixin, StateMixin, SettingsMixin, OptimizerViewMixin, Adapter):
+class NativeTorchAdapter(DcpShardsMixin, IndexedLoadMixin, StateMixin, SettingsMixin, OptimizerViewMixin, Adapter):
     """Model + optimizers + schedulers + data, saved with torch.distributed.checkpoint.
 
     ``model``: a module, or the model parts this rank holds (pipeline stages; torchtitan's

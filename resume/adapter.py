@@ -29,6 +29,7 @@ On save (at an iteration boundary, all ranks agreed):
   4. all  ``save_shards(storage, step_dir)`` collective; rank 0 then commits the manifest.
   Asynchronous instead of 4: all ``stage_shards()`` (the loop waits), then in a background
   thread all ``write_staged(staged, ...)`` over a forked Comm; the commit follows.
+  With asynchronous saves, after the process's first applied update: all ``prepare_staging()``.
 
 Every iteration: all ``optimizer_steps()`` and ``scheduler_positions()`` (cheap), to catch an
 update that stepped the optimizer or scheduler on a skipped iteration.
@@ -199,6 +200,13 @@ class ShardIO(ABC):
         that tries to run code (UnsafeCheckpointError) and storage errors raise. Default: none."""
         return []
 
+    def verify_while_loading(self, manifest: Manifest) -> set[str]:
+        """Rank-local, with ``verify_on_restore``, before ``load_shards(manifest)``: the files of
+        ``manifest`` the load will check against their checksums from the bytes it reads (each
+        read once; a mismatch raises ``DamagedShardsError`` before anything reaches the live
+        objects). The restore's checksum pass leaves them out. Default: none."""
+        return set()
+
     def prepare_load(self) -> object:
         """Local (no collectives; may run while another thread reads files): make the live
         objects ready to be loaded into, e.g. create a fresh optimizer's state. Returns what
@@ -227,6 +235,11 @@ class StagedShardIO(ABC):
     def write_staged(self, staged: Any, storage: Storage, step_dir: str, comm: Comm) -> Any:
         """Collective over ``comm`` (a background thread): write ``staged``; like ``save_shards``."""
         raise NotImplementedError
+
+    def prepare_staging(self) -> None:
+        """Once, in the loop, after the first applied update: start making what the first
+        ``stage_shards`` needs (host buffers) in the background; ``stage_shards`` takes it, whole
+        or in part, and never uses it while it is being made. Default: nothing."""
 
     def can_fingerprint_staged(self) -> bool:
         """Whether ``fingerprint_staged`` is implemented: the moments' fingerprint is then taken

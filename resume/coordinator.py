@@ -34,7 +34,7 @@ from .commit import StepCommit, rank_state_name
 from .config import CoordinatorConfig, as_json
 from .continuity import Expectation, matched
 from .control import ControlArea
-from .errors import ResumeError, SaveFailedError, StorageAccessError, UsageError
+from .errors import DamagedShardsError, ResumeError, SaveFailedError, StorageAccessError, UsageError
 from .journal import Journal, UpdateRecorder
 from .layout import layout_topology
 from .lease import Lease
@@ -88,6 +88,7 @@ class Coordinator:
         self.last_committed_step: int | None = None
         self.restored_from: int | None = None
         self.async_save = self.settings.async_save and adapter.can_stage()
+        self._stage_ahead = self.async_save  # prepare_staging() at the first applied update
 
         self._tolerance = self.settings.failure_tolerance()
         self._next = NextIteration(adapter, self.rng, lr_lookahead=self.settings.lr_lookahead)
@@ -163,11 +164,15 @@ class Coordinator:
             manifest = self._peeked[0] if self._peeked is not None else self._restorer.choose(prepare=True)
             self._peeked = None
             try:
+                while manifest is not None:
+                    try:
+                        self._restored(self._restorer.load(manifest, self._expectation_after_load))
+                        break
+                    except DamagedShardsError as e:  # found by the load's checksums: the one before
+                        manifest = self._restorer.choose(prepare=True, damaged=(manifest.step, str(e)))
                 if manifest is None:
                     self._restorer.discard_prepared()
                     self._start_fresh()
-                else:
-                    self._restored(self._restorer.load(manifest, self._expectation_after_load))
             except BaseException:
                 self._restorer.discard_prepared()
                 raise
@@ -217,7 +222,12 @@ class Coordinator:
             check_first_update(self.adapter, self._first_after_restore, rank=self.rank)
             self._first_after_restore = None
         self._progress.progress(self.state.iteration)
-        return self._maybe_save_at_boundary()
+        saved = self._maybe_save_at_boundary()
+        if applied and self._stage_ahead:
+            # The first asynchronous save's host buffers, made while the loop runs, not in its stall.
+            self._stage_ahead = False
+            self.adapter.prepare_staging()
+        return saved
 
     def save(self, *, blocking: bool = True) -> int:
         """Collective: save the state at the current iteration and commit it. Returns the step.

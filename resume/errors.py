@@ -134,6 +134,14 @@ class CorruptCheckpointError(ResumeError, RuntimeError):
     exit_code = EXIT_PROBLEM
 
 
+class DamagedShardsError(CorruptCheckpointError):
+    """A checkpoint's shards found damaged while a load read them (their checksums, taken from
+    the bytes the load read): nothing reached the live objects, and the restore passes over the
+    checkpoint for the previous one, as when the checksums are compared before the load."""
+
+    exit_code = EXIT_PROBLEM
+
+
 class UnsafePathError(CorruptCheckpointError, OSError):
     """A path in a run that must not be read, written or deleted through: a symbolic link (at
     any component below the run's root), a FIFO, a device or socket, a path leading outside the

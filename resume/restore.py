@@ -88,7 +88,8 @@ class Restorer:
 
     # -- choosing -------------------------------------------------------------------------------
 
-    def choose(self, *, prepare: bool = False, layout: bool = True) -> Manifest | None:
+    def choose(self, *, prepare: bool = False, layout: bool = True,
+               damaged: tuple[int, str] | None = None) -> Manifest | None:
         """The newest committed checkpoint whose files all verify; None for a fresh start.
 
         Rank 0 discovers (``Run.find_latest``: the commit check, newest first, stopping at the
@@ -97,7 +98,8 @@ class Restorer:
         checkpoint is passed over for the previous one. With ``prepare`` the reads overlap the
         adapter's ``prepare_load()``. With ``layout``, each candidate's layout is checked first,
         before its files are read (``coord.peek()`` leaves it to the load: the program may
-        rebuild its stage after the peek).
+        rebuild its stage after the peek). ``damaged``: (step, why) of a checkpoint whose load
+        found its shards damaged (``DamagedShardsError``): moved aside, and the choice goes on below it.
         """
         def problems(manifest: Manifest) -> list[str]:
             if layout:  # before any file is read: a refusal, not a problem
@@ -107,8 +109,9 @@ class Restorer:
                 found = self._rank_state_problems(manifest) or self.coll.on_rank0(
                     lambda m=manifest: self.adapter.shard_problems(self.run.storage, self.run.dirname(m.step), m))
             return found
-        choice = choose_verified(self.run, self.coll, problems)
+        choice = choose_verified(self.run, self.coll, problems, below=damaged[0] if damaged else None)
         broken = [(step, why) for step, why, had in choice.passed_over if had]  # damaged checkpoints
+        broken = [damaged, *broken] if damaged is not None else broken
         torn = [(step, why) for step, why, had in choice.passed_over if not had]  # saves never finished
         self._after_choice(choice.manifest, broken, torn)
         return choice.manifest
@@ -166,7 +169,10 @@ class Restorer:
         def prepare_load() -> None:
             self.prepared = (self.adapter.prepare_load(),)
         needed = prepare and self.prepared is None
-        return verify_share(self.run, self.coll, manifest, alongside=prepare_load if needed else None)
+        # The files the load checks from the bytes it reads are not read for their checksums here.
+        by_load = self.adapter.verify_while_loading(manifest)
+        return verify_share(self.run, self.coll, manifest, alongside=prepare_load if needed else None,
+                            skip=by_load)
 
     def discard_prepared(self) -> None:
         """Nothing will be loaded: put back what ``prepare_load()`` made (a fresh start stays fresh)."""
@@ -377,12 +383,13 @@ def check_rank_state(rank_state: Any, *, source: str) -> None:
 
 
 def verify_share(run: Run, coll: Collective, manifest: Manifest, *,
-                 alongside: Callable[[], None] | None = None) -> list[str]:
+                 alongside: Callable[[], None] | None = None, skip: set[str] = frozenset()) -> list[str]:
     """Collective: every rank checksums its share of the checkpoint's files; every problem found,
     on every rank. Storage that refuses a read raises on every rank instead: it says nothing
     about the checkpoint, which must not be passed over for it. ``alongside`` runs on every
-    rank while its reads do (its error, after the reads', is agreed on like theirs)."""
-    share = sorted(manifest.files)[coll.rank::coll.world_size]
+    rank while its reads do (its error, after the reads', is agreed on like theirs). ``skip``:
+    files checked elsewhere (by the load, from the bytes it reads)."""
+    share = sorted(set(manifest.files) - skip)[coll.rank::coll.world_size]
 
     def verify() -> list[str]:
         return run.verify_checksums(manifest, share, raise_unreadable=True)
@@ -410,12 +417,12 @@ class Choice:
 
 
 def choose_verified(run: Run, coll: Collective, problems: Callable[[Manifest], list[str]], *,
-                    only: int | None = None) -> Choice:
+                    only: int | None = None, below: int | None = None) -> Choice:
     """Collective: the newest committed checkpoint in which ``problems`` (collective, the same list
     on every rank) finds none. Rank 0 discovers (``Run.find_latest``) and every rank is told; a
-    checkpoint with problems is passed over for the next older one (``only``: that step alone)."""
+    checkpoint with problems is passed over for the next older one (``only``: that step alone;
+    ``below``: older than that step only)."""
     passed_over: list[tuple[int, str, bool]] = []
-    below = None
     while True:
         manifest, rejected = coll.on_rank0(lambda b=below: _find_latest(run, b, only))
         passed_over += rejected

@@ -151,7 +151,7 @@ def test_manifest_records_counters_and_expectation(run_dir):
     e = manifest["expectation"]
     assert len(e["lr_ahead"]) == 3 and e["optimizer_steps"] == [3]
     assert e["next_batch"]["samples"] == 4 and len(e["rng"]) == 1
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "rank-00000.json"}
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "index.resume", "rank-00000.json"}
 
 
 def test_bad_configuration_is_a_usage_error(run_dir):

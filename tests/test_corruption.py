@@ -40,8 +40,8 @@ SHARD = "__0_0.distcp"
 @pytest.fixture(scope="module")
 def trained_run(trained_run) -> str:
     """conftest's run (steps 2 and 4, LATEST names 4), whose step 4 holds what the damage below expects."""
-    assert sorted(os.listdir(os.path.join(trained_run, STEP4))) == [".metadata", SHARD, "manifest.json",
-                                                                    "rank-00000.json"]
+    assert sorted(os.listdir(os.path.join(trained_run, STEP4))) == [".metadata", SHARD, "index.resume",
+                                                                    "manifest.json", "rank-00000.json"]
     return trained_run
 
 

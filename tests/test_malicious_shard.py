@@ -33,7 +33,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from resume.adapters.dcp import reader as dcp_reader
-from support.checkpoints import CodeRunningPickle
+from support.checkpoints import CodeRunningPickle, drop_index
 from support.workloads import Setup, build, trained
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -110,6 +110,7 @@ def plant(step_dir: Path, fqn: str, command: str) -> tuple[int, bytes]:
         data = (step_dir / name).read_bytes()
         manifest["files"][name] = {"size": len(data), "checksum": checksum_bytes(data)}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    drop_index(str(step_dir))  # the forged .metadata is what a restore reads
     return target.offset, record
 
 

@@ -13,7 +13,7 @@ from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import SyntheticTokens, TinyGPT, warmup_cosine
 from resume.drill.worker import tensor_digest
-from support.checkpoints import plant_metadata_pickle
+from support.checkpoints import drop_index, plant_metadata_pickle
 from support.ranks import run_ranks
 from support.workloads import (
     CFG,
@@ -242,13 +242,18 @@ def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
 def restore_counting_metadata_parses(rank: int, world: int, tmp: str) -> dict:
     import resume.adapters.torch.metadata as native
 
-    parsed = []
-    restricted = native.restricted_load_metadata
+    parsed, indexed = [], []
+    restricted, parse_index = native.restricted_load_metadata, native.CheckpointIndex.parse
 
     def counting(data, **kwargs):
         parsed.append(len(data))
         return restricted(data, **kwargs)
+
+    def counting_index(data, **kwargs):
+        indexed.append(len(data))
+        return parse_index(data, **kwargs)
     native.restricted_load_metadata = counting
+    native.CheckpointIndex.parse = counting_index
     try:
         coord, parts = build(rank, world, tmp, Setup(every=5))
         coord.restore()
@@ -256,17 +261,27 @@ def restore_counting_metadata_parses(rank: int, world: int, tmp: str) -> dict:
         coord.close()
     finally:
         native.restricted_load_metadata = restricted
-    return {"parsed": len(parsed), "restored": coord.restored_from, "trace": trace}
+        native.CheckpointIndex.parse = parse_index
+    return {"parsed": len(parsed), "indexed": len(indexed), "restored": coord.restored_from, "trace": trace}
 
 
-def test_only_rank0_parses_dcp_metadata_and_the_others_get_what_it_built(tmp_path):
-    """At restore rank 0 reads and vets .metadata (the allow-list unpickler, several times slower
-    than pickle: over 600 MiB at 5,120 ranks); the others receive the object it built, and load
-    from it exactly as before."""
+@pytest.mark.parametrize("written", ["with the index", "before the index"])
+def test_only_rank0_parses_dcp_metadata_and_the_others_get_what_it_built(tmp_path, written):
+    """At restore rank 0 alone reads the index (typed arrays, each rank sent its own entries); a
+    checkpoint written before the index: rank 0 alone reads and vets .metadata (the allow-list
+    unpickler, several times slower than pickle: over 600 MiB at 5,120 ranks), the others
+    receive the object it built. Either way the load is exactly as before."""
     before = run_ranks(save_on_two, 2, str(tmp_path))
+    if written == "before the index":
+        for step_dir in tmp_path.glob("step-*"):
+            drop_index(str(step_dir))
     after = run_ranks(restore_counting_metadata_parses, 2, str(tmp_path))
     assert [r["restored"] for r in after] == [5, 5]
-    assert after[0]["parsed"] >= 1 and after[1]["parsed"] == 0
+    if written == "before the index":
+        assert after[0]["parsed"] >= 1 and after[1]["parsed"] == 0
+    else:
+        assert after[0]["indexed"] >= 1 and after[1]["indexed"] == 0
+        assert after[0]["parsed"] == after[1]["parsed"] == 0
     for rank in (0, 1):  # iterations 6 and 7 again: the same samples and losses
         assert [(r["ids"], r["loss"]) for r in after[rank]["trace"]] == \
                [(r["ids"], r["loss"]) for r in before[rank]["trace"][5:]]

@@ -16,6 +16,10 @@ through ``FileSystem.create_stream``. Ours:
   reset connection costs one file's upload, not the save.
 
 ``written`` maps each file this rank wrote to (size, checksum).
+
+``StepWriter`` (DCP's ``FileSystemWriter``) writes ``.metadata`` from a plain ``Metadata``:
+our planners hand DCP a ``KeptMetadata`` that pickles small for DCP's end-of-save broadcast
+(``plan_cache``), while the file holds the bytes DCP itself writes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import io
+import logging
 import os
 import tempfile
 import threading
@@ -37,12 +42,17 @@ from torch.distributed.checkpoint import filesystem as _fs
 from resume import faults
 from resume.checksum import ALGORITHM
 
-__all__ = ["ChecksummingFileSystem", "RetryingFsspecFileSystem", "make_reader", "make_writer",
+from .plan_cache import plain_metadata
+
+__all__ = ["ChecksummingFileSystem", "RetryingFsspecFileSystem", "StepWriter", "make_reader", "make_writer",
            "without_torch_crc32", "writeback_supported"]
+
+log = logging.getLogger("resume")
 
 WRITEBACK_EVERY = 32 << 20
 BUFFER = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk when it returns
 
 
 def _load_sync_file_range() -> Any:
@@ -71,6 +81,7 @@ class _HashingSink(io.RawIOBase):
         self.hash = xxhash.xxh3_64() if hashing else None
         self.size = 0
         self._flushed_to = 0
+        self._dropped_to = 0
         self._writeback = writeback and _sync_file_range is not None and hasattr(raw, "fileno")
 
     def writable(self) -> bool:
@@ -89,10 +100,24 @@ class _HashingSink(io.RawIOBase):
         if first:
             faults.point("save.mid_shards")  # the file's first block is out, the rest not yet
         if self._writeback and self.size - self._flushed_to >= WRITEBACK_EVERY:
+            self._drop_behind()
             _sync_file_range(self.raw.fileno(), self._flushed_to, self.size - self._flushed_to,
                              _SYNC_FILE_RANGE_WRITE)
             self._flushed_to = self.size
         return written
+
+    def _drop_behind(self) -> None:
+        """The range whose writeback the last call started, once on disk, out of the page cache:
+        a save's file pages stay a few ranges, the same ones over again, instead of new memory
+        the kernel must find for every byte (which a process's first save, with no pages freed
+        lately to reuse, paid for page by page: docs/performance.md). The wait costs nothing
+        the final fdatasync would not; nobody reads a shard back soon after writing it."""
+        start, end = self._dropped_to, self._flushed_to
+        if end > start:
+            fd = self.raw.fileno()
+            _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WAIT)
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            self._dropped_to = end
 
     def tell(self) -> int:
         return self.size
@@ -270,6 +295,35 @@ def _fsync_dir(directory: str) -> None:
 
 
 
+class StepWriter(_fs.FileSystemWriter):
+    """DCP's ``FileSystemWriter`` for one step directory; ``finish`` (the coordinator, last)
+    writes ``.metadata`` as DCP does, pickled from a plain ``Metadata`` whatever the planner
+    handed it (a ``KeptMetadata`` pickles to a ``MetadataSummary``)."""
+
+    def finish(self, metadata: Any, results: list) -> None:
+        plain = plain_metadata(metadata)
+        self._write_metadata(plain, results)
+        vars(metadata).update(vars(plain))  # what DCP fills in: storage_data, storage_meta, version
+        self._write_index(plain)
+
+    def _write_index(self, plain: Any) -> None:
+        """The index (``index.INDEX_FILE``) beside ``.metadata``: what a restore reads instead of
+        it. A state the index cannot describe writes none: its restores read ``.metadata``."""
+        from .index import INDEX_FILE, encode_index
+
+        try:
+            data = encode_index(plain)
+        except (ValueError, KeyError) as e:
+            log.warning("resume: no index for this step (its restores read .metadata): %s", e)
+            return
+        with self.fs.create_stream(self.fs.concat_path(self.path, INDEX_FILE), "wb") as f:
+            f.write(data)
+
+    def _write_metadata(self, plain: Any, results: list) -> None:
+        """``.metadata``, exactly as DCP writes it (``plain`` gets its storage_data and version)."""
+        super().finish(metadata=plain, results=results)
+
+
 COMPRESSIONS = (None, "zstd")
 
 
@@ -283,8 +337,6 @@ def make_writer(storage: Any, step_dir: str, *, durable: bool = True, thread_cou
     already on the CPU (a staged copy): DCP's overlapping loader would touch CUDA streams
     from a background thread.
     """
-    from torch.distributed.checkpoint import FileSystemWriter
-
     extensions = []
     if compression == "zstd":
         from torch.distributed.checkpoint._extension import ZStandard
@@ -296,14 +348,14 @@ def make_writer(storage: Any, step_dir: str, *, durable: bool = True, thread_cou
     fs: Any
     ahead = {} if copy_ahead else {"per_thread_copy_ahead": 0}
     if local is not None:
-        writer = FileSystemWriter(local, sync_files=False, thread_count=thread_count, _extensions=extensions,
-                                  **ahead)
+        writer = StepWriter(local, sync_files=False, thread_count=thread_count, _extensions=extensions,
+                            **ahead)
         fs = ChecksummingFileSystem(durable=durable)
         writer.fs = fs
         writer.path = fs.init_path(local)
     else:
-        writer = FileSystemWriter("resume-remote", sync_files=False, thread_count=thread_count,
-                                  _extensions=extensions, **ahead)
+        writer = StepWriter("resume-remote", sync_files=False, thread_count=thread_count,
+                            _extensions=extensions, **ahead)
         fs = RetryingFsspecFileSystem(storage, step_dir)
         writer.fs = fs
         writer.path = fs.init_path("")

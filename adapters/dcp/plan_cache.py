@@ -13,22 +13,29 @@ offsets and dtypes, never tensor data. What this module adds, for what torch lea
 3. A failed save drops its key's entries on this rank (``dropped_on_failure``), so the next
    save plans from scratch; rank 0 refuses a save whose ranks disagree about the cache.
 4. A new process starts with empty caches; a restore does not touch them.
+5. DCP ends a save by broadcasting rank 0's ``Metadata`` to every rank (``all_reduce("write")``:
+   613 MiB pickled at 5,120 ranks). Our planners (``KeepingSavePlanner``, caching or not) hand
+   DCP a ``KeptMetadata``, which pickles to a ``MetadataSummary`` of a few fields: rank 0 keeps
+   the real object, the others receive the summary. ``.metadata`` itself is written from a
+   plain ``Metadata`` (``plain_metadata``; ``filesystem.StepWriter``), the bytes DCP writes.
 
 Memory: rank 0 keeps every rank's local plan, the global plan and the Metadata per key
 (``NativeTorchAdapter(plan_caching=False)`` gives it up); entries are dropped when their
 adapter is garbage-collected. Relies on torch internals (``_cached_plans_key``, the
 ``SavePlanner._cached_*`` dicts, ``finish_plan``) as of torch 2.13; where they are missing,
-``SavePlanCache.planner`` returns None and DCP plans every save as before.
+``SavePlanCache.planner`` returns a ``KeepingSavePlanner`` without caching, which plans every save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import uuid
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -40,7 +47,8 @@ from resume.errors import PlanCacheMismatchError
 
 log = logging.getLogger("resume")
 
-__all__ = ["CachingSavePlanner", "PlanCacheMismatchError", "SavePlanCache", "is_supported"]
+__all__ = ["CachingSavePlanner", "KeepingSavePlanner", "KeptMetadata", "MetadataSummary",
+           "PlanCacheMismatchError", "SavePlanCache", "is_supported", "plain_metadata"]
 
 _CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
            "_cached_final_save_plan")
@@ -78,7 +86,67 @@ def same_plan(plan: SavePlan, other: SavePlan) -> bool:
     return _compare_save_plans(plan, other) and plan == other
 
 
-class CachingSavePlanner(DefaultSavePlanner):
+@dataclass(frozen=True, slots=True)
+class MetadataSummary:
+    """What a rank other than DCP's coordinator receives at the end of a save in place of the
+    checkpoint's ``Metadata``: a few numbers, the same size at 2 ranks and at 5,120."""
+
+    items: int
+    """Entries of ``state_dict_metadata`` (tensors and objects saved)."""
+    files: int
+    """Distinct files ``storage_data`` names (the coordinator's ``.metadata`` not counted)."""
+    version: str | None
+    """DCP's metadata version, as ``.metadata`` records it."""
+
+
+class KeptMetadata(Metadata):
+    """DCP's ``Metadata``, kept on the rank that made it: pickled (as DCP's end-of-save broadcast
+    does), it is a ``MetadataSummary``. Copies stay ``KeptMetadata``; ``plain_metadata`` gives
+    the ``Metadata`` that ``.metadata`` holds."""
+
+    def __reduce__(self) -> tuple:
+        storage = self.storage_data if isinstance(self.storage_data, dict) else {}
+        files = {getattr(info, "relative_path", None) for info in storage.values()}
+        return MetadataSummary, (len(self.state_dict_metadata or ()), len(files), self.version)
+
+    def __copy__(self) -> KeptMetadata:
+        other = KeptMetadata.__new__(KeptMetadata)
+        vars(other).update(vars(self))
+        return other
+
+    def __deepcopy__(self, memo: dict) -> KeptMetadata:
+        other = KeptMetadata.__new__(KeptMetadata)
+        memo[id(self)] = other
+        vars(other).update(copy.deepcopy(vars(self), memo))
+        return other
+
+
+def plain_metadata(metadata: Metadata) -> Metadata:
+    """A plain ``Metadata`` sharing ``metadata``'s fields (a shallow copy): what DCP pickles."""
+    plain = Metadata.__new__(Metadata)
+    vars(plain).update(vars(metadata))
+    return plain
+
+
+def kept(metadata: Metadata) -> Metadata:
+    """``metadata`` made a ``KeptMetadata`` in place (the object DCP caches too); another
+    subclass of ``Metadata`` (not DCP's planner's) is left as it is."""
+    if type(metadata) is Metadata:
+        metadata.__class__ = KeptMetadata
+    return metadata
+
+
+class KeepingSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose global ``Metadata`` stays on the coordinator: the ranks
+    receive a ``MetadataSummary`` at the end of the save. Plans every save (no caching)."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        delta, metadata = super().create_global_plan(all_plans)
+        self.metadata = kept(metadata)
+        return delta, self.metadata
+
+
+class CachingSavePlanner(KeepingSavePlanner):
     """``DefaultSavePlanner`` with plan caching under ``key``, reused only for equal plans."""
 
     def __init__(self, key: str, **kwargs: Any) -> None:
@@ -131,8 +199,8 @@ class CachingSavePlanner(DefaultSavePlanner):
 class SavePlanCache:
     """One adapter's cache keys: private to it, dropped after a failed save and with it.
 
-    ``enabled=False`` (or a torch without plan caching): ``planner`` returns None, DCP's
-    default planner, which plans every save in full."""
+    ``enabled=False`` (or a torch without plan caching): ``planner`` returns a
+    ``KeepingSavePlanner``, which plans every save in full."""
 
     def __init__(self, owner: str, *, enabled: bool = True) -> None:
         self.enabled = enabled and is_supported()
@@ -149,20 +217,21 @@ class SavePlanCache:
             where = "0/1"
         return f"{self.prefix}:{path}:{where}"
 
-    def planner(self, path: str, group: Any = None) -> CachingSavePlanner | None:
+    def planner(self, path: str, group: Any = None) -> KeepingSavePlanner:
+        """The planner of one save: caching under this path's key, or (disabled) none."""
         if not self.enabled:
-            return None
+            return KeepingSavePlanner()
         key = self.key(path, group)
         self._keys.add(key)
         return CachingSavePlanner(key)
 
     @contextlib.contextmanager
-    def dropped_on_failure(self, planner: CachingSavePlanner | None) -> Iterator[None]:
+    def dropped_on_failure(self, planner: KeepingSavePlanner | None) -> Iterator[None]:
         """Around ``dcp.save``: a save that raises leaves none of its key's entries here."""
         try:
             yield
         except BaseException:
-            if planner is not None:
+            if isinstance(planner, CachingSavePlanner):
                 forget(planner.key)
                 log.debug("resume: DCP plan cache %s dropped after a failed save", planner.key)
             raise

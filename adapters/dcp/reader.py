@@ -12,7 +12,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -69,6 +69,9 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     threads = 2
     compressed = False
     """The run's manifest records zstd compression: only then is ``stream.zstd`` honoured."""
+    hash_files: ClassVar[dict[str, tuple[int, str]]] = {}
+    """Files this rank reads whole and hashes while the load reads them (relative path -> the
+    manifest's size and checksum): ``verify_hashed()`` after ``read_data``."""
 
     def read_data(self, plan, planner):
         from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +82,7 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         # Only planners whose tensor hooks are plain look-ups may be called from threads.
         plain = (type(planner).resolve_tensor is DefaultLoadPlanner.resolve_tensor
                  and type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor)
+        self._segments: dict[str, list] = {rel: [] for rel in self.hash_files}
         tensor_reqs, rest = [], []
         for r in plan.items:
             simple = r.type != LoadItemType.BYTE_IO and not self.storage_data[r.storage_index].transform_descriptors
@@ -100,6 +104,55 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         fut.set_result(None)
         return fut
 
+    def verify_hashed(self, url) -> list[str]:
+        """Each of ``hash_files`` hashed from the bytes the load read (kept in ``_segments``, in
+        file order), the bytes no item of this rank covers read now: one pass over each file.
+        Problems in ``run.verify_checksums``'s words (``url(rel)`` names the file); an I/O error
+        other than a missing file raises (storage trouble says nothing about the checkpoint)."""
+        problems = []
+        for rel, (size, checksum) in sorted(self.hash_files.items()):
+            try:
+                actual, digest = self._hash_file(rel, getattr(self, "_segments", {}).get(rel, []))
+            except FileNotFoundError:
+                problems.append(f"{url(rel)}: expected a file of {size} bytes, actual missing")
+                continue
+            if actual != size:
+                problems.append(f"{url(rel)}: size: expected {size} bytes, actual {actual}")
+            elif digest != checksum:
+                problems.append(f"{url(rel)}: checksum: expected {checksum}, actual {digest}")
+        self._segments = {}
+        return problems
+
+    def _hash_file(self, rel: str, segments: list) -> tuple[int, str]:
+        import xxhash
+
+        from resume.checksum import ALGORITHM
+
+        h, cursor = xxhash.xxh3_64(), 0
+        with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
+            def fill(upto: int | None) -> int:  # bytes no segment holds, read now
+                stream.seek(cursor)
+                done = 0
+                while upto is None or cursor + done < upto:
+                    chunk = stream.read(16 << 20 if upto is None else min(16 << 20, upto - cursor - done))
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    done += len(chunk)
+                return done
+            for offset, buf in sorted(segments, key=lambda s: s[0]):
+                view = memoryview(buf).cast("B")
+                if offset > cursor:
+                    cursor += fill(offset)
+                    if cursor < offset:
+                        break  # the file ends before this item: its size says so
+                skip = cursor - offset
+                if skip < len(view):
+                    h.update(view[skip:])
+                    cursor = offset + len(view)
+            cursor += fill(None)
+        return cursor, f"{ALGORITHM}:{h.hexdigest()}"
+
     def _by_file(self, reqs: list) -> dict[str, list]:
         by_file: dict[str, list] = {}
         for r in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
@@ -110,17 +163,18 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         from torch.distributed.checkpoint.planner import LoadItemType
 
         path = self.fs.concat_path(self.path, relative_path)
+        segments = getattr(self, "_segments", {}).get(relative_path)
         with self.fs.create_stream(path, "rb") as stream:
             for req in reqs:
                 where = f"{relative_path}: {short(req.storage_index.fqn)}"
                 if req.type == LoadItemType.BYTE_IO:
-                    item = self._item(stream, req, BYTES_ITEM_CAP, where)
+                    item = self._item(stream, req, BYTES_ITEM_CAP, where, segments)
                     data = io.BytesIO(item.read() if isinstance(item, Window) else item.getvalue())
                     check_archive(data, max(BYTES_ITEM_CAP, len(data.getbuffer())), where)
                     data.seek(0)
                     planner.load_bytes(req, data)
                 else:
-                    self._read_tensor(stream, req, planner, where)
+                    self._read_tensor(stream, req, planner, where, segments)
 
     def _expected_bytes(self, req) -> int:
         index = req.storage_index
@@ -128,11 +182,16 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         stored = stored_bytes(entry, index) if entry is not None else None
         return BYTES_ITEM_CAP if stored is None else stored + ZIP_FRAMING
 
-    def _item(self, stream, req, cap: int, where: str) -> io.IOBase:
+    def _item(self, stream, req, cap: int, where: str, segments: list | None = None) -> io.IOBase:
         """The item's torch.save archive, seekable: a window of the file, or its decompressed
-        bytes, read no further than ``cap``."""
+        bytes, read no further than ``cap``. ``segments`` (a hashed file's): the item's bytes are
+        read whole first and kept there for the file's hash."""
         info = self.storage_data[req.storage_index]
         window = Window(stream, info.offset, info.length)
+        if segments is not None:
+            raw = window.read()
+            segments.append((info.offset, raw))
+            window = Window(io.BytesIO(raw), 0, len(raw))
         transforms = list(info.transform_descriptors or ())
         if not transforms:
             return window
@@ -145,18 +204,18 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
 
         return io.BytesIO(read_capped(ZStandard().transform_from(window), cap, where))
 
-    def _read_tensor(self, stream, req, planner, where: str) -> None:
+    def _read_tensor(self, stream, req, planner, where: str, segments: list | None = None) -> None:
         from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
 
         info = self.storage_data[req.storage_index]
         target = planner.resolve_tensor(req).detach()
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(target.shape)
         if (whole and not info.transform_descriptors
-                and read_stored_tensor_into(stream, info.offset, info.length, target)):
+                and read_stored_tensor_into(stream, info.offset, info.length, target, segments)):
             planner.commit_tensor(req, target)
             return
         cap = self._expected_bytes(req)
-        item = self._item(stream, req, cap, where)
+        item = self._item(stream, req, cap, where, segments)
         check_archive(item, cap, where)
         item.seek(0)
         try:
@@ -283,12 +342,15 @@ class _RecordUnpickler(pickle.Unpickler):
         return ("storage", pid)
 
 
-def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -> bool:
+def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor,
+                            segments: list | None = None) -> bool:
     """Copy a DCP item (a torch.save'd tensor at [offset, offset+length) of ``f``) straight into
     ``target``, when it is exactly a contiguous tensor of target's dtype and shape, stored raw.
 
     One read into the target's own memory instead of torch.load + copy. False (nothing
     written) whenever anything is not as expected: the caller then takes the general path.
+    ``segments`` (a hashed file's): the item's bytes, as (file offset, buffer), in three parts:
+    the framing before the data, the target's memory, the framing after.
     """
     if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
         return False
@@ -303,6 +365,13 @@ def read_stored_tensor_into(f, offset: int, length: int, target: torch.Tensor) -
         if not n:
             raise EOFError(f"stored tensor ends after {filled} of {len(view)} bytes")
         filled += n
+    if segments is not None:
+        f.seek(offset)
+        head = f.read(found[1])
+        end = found[1] + len(view)
+        f.seek(offset + end)
+        tail = f.read(length - end)
+        segments.extend([(offset, head), (offset + found[1], view), (offset + end, tail)])
     return True
 
 

@@ -1,5 +1,7 @@
-"""DCP's ``.metadata`` of a step our manifest describes: read once (rank 0), checked in shape and
-bounds against the verified manifest, sent to every rank as the object rank 0 built."""
+"""The index of a step our manifest describes, read once (rank 0) and checked in shape and bounds
+against the verified manifest: the typed-array index (``resume.adapters.dcp.index``) where the
+step has one, each rank sent only its own entries; else DCP's ``.metadata``, unpickled with the
+allow-list and sent to every rank as the object rank 0 built (checkpoints written before the index)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,15 @@ from resume.manifest import Manifest
 from resume.storage import Storage
 from resume.text import clip
 
+from ..dcp.index import INDEX_FILE, CheckpointIndex, Requests, select
 from ..dcp.unpickle import restricted_load_metadata
 
-__all__ = ["CheckedMetadata", "recorded_for_shards"]
+__all__ = ["CheckedMetadata", "has_index", "recorded_for_shards"]
+
+
+def has_index(manifest: Manifest | None) -> bool:
+    """Whether the step has the typed-array index (written since it exists), listed and checksummed."""
+    return manifest is not None and INDEX_FILE in manifest.files
 
 
 def recorded_for_shards(manifest: Manifest | None) -> dict:
@@ -40,7 +48,7 @@ class CheckedMetadata:
         self._checked = None
         recorded = recorded_for_shards(manifest)
         try:
-            metadata = self._parse(storage, step_dir, recorded)
+            metadata = self._parse(storage, step_dir, recorded, INDEX_FILE if has_index(manifest) else ".metadata")
         except UnsafeCheckpointError:
             raise  # code in a checkpoint: refused loudly, not passed over
         except CorruptCheckpointError as e:
@@ -65,9 +73,34 @@ class CheckedMetadata:
         finally:
             self._checked = None
 
+    def read_own(self, comm: Comm, storage: Storage, step_dir: str, manifest: Manifest, requests: Requests,
+                 hashed: set[str]) -> bytes:
+        """Collective: this rank's answer (``index.partial_metadata`` makes DCP's Metadata of its
+        own load from it, and names the files of ``hashed`` it reads whole and hashes). Every rank
+        sends rank 0 what it holds (``requests``: hashes and boxes, not names); rank 0 reads and
+        checks the index once and sends each rank only the entries overlapping its boxes (a
+        scatter: no rank receives the whole index)."""
+        coll = Collective(comm)
+        what = f"index of {storage.url(step_dir)}"
+        wires = coll.gather(requests.wire, what)
+
+        def answer() -> list[bytes]:
+            checked = self._checked
+            recorded = recorded_for_shards(manifest)
+            index = checked[2] if checked is not None and checked[0] == step_dir else \
+                self._parse(storage, step_dir, recorded, INDEX_FILE)
+            try:
+                return select(index, wires, hashed)
+            except ValueError as e:  # a rank's request, not the checkpoint
+                raise CorruptCheckpointError(f"{what}: a rank's request: {e}") from e
+        try:
+            return coll.scatter(answer, what)
+        finally:
+            self._checked = None
+
     @staticmethod
-    def _parse(storage: Storage, step_dir: str, recorded: dict) -> Any:
-        path = f"{step_dir}/.metadata"
+    def _parse(storage: Storage, step_dir: str, recorded: dict, name: str = ".metadata") -> Any:
+        path = f"{step_dir}/{name}"
         limit = (recorded["sizes"] or {}).get(".metadata")
         try:
             data = storage.read_bytes(path, limit=limit)
@@ -77,5 +110,8 @@ class CheckedMetadata:
             kind = CorruptCheckpointError if isinstance(e, FileNotFoundError) else StorageError
             raise kind(f"{storage.url(path)}: expected readable DCP metadata, actual "
                        f"{type(e).__name__}: {clip(str(e))}") from e
+        if name == INDEX_FILE:
+            return CheckpointIndex.parse(data, source=storage.url(path), file_sizes=recorded["sizes"],
+                                         compression=recorded["compression"])
         return restricted_load_metadata(data, source=storage.url(path), file_sizes=recorded["sizes"],
                                         compression=recorded["compression"])

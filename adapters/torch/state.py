@@ -143,8 +143,10 @@ class StateMixin:
         fresh = [o for o in self.optimizers if not o.state]
         if fresh:
             self._sharded_state(fresh)
+        self._prepared_ids = {id(o) for o in fresh}
         return fresh
 
     def discard_prepared(self, token: object) -> None:
+        self._prepared_ids = set()
         for opt in token or ():  # type: ignore[union-attr]
             opt.state.clear()

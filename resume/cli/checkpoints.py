@@ -65,22 +65,33 @@ def save(run_url: str, timeout: float, stop: bool, as_json: bool) -> int:
 
 def dcp_metadata_problems(run: Run, result: CheckResult) -> list[str]:
     """Deep: DCP's pickled .metadata must parse with the restricted unpickler and hold what DCP
-    puts there, every item inside the files the manifest lists (none without torch)."""
+    puts there, and the index a restore reads instead (where the step has one) must pass its
+    bounds checks, every item inside the files the manifest lists (none without torch)."""
     if result.manifest is None or ".metadata" not in result.manifest.files:
         return []
     try:
+        from ..adapters.dcp.index import INDEX_FILE, CheckpointIndex
         from ..adapters.dcp.unpickle import restricted_load_metadata
     except ImportError:
         return []
-    path = run.step_path(result.step, ".metadata")
-    try:
-        data = run.storage.read_bytes(path, limit=result.manifest.files[".metadata"].size)
-        sizes = {rel: entry.size for rel, entry in result.manifest.files.items()}
-        restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes,
-                                 compression=result.manifest.topology.get("compression"))
-    except ResumeError as e:
-        return [str(e)]
-    return []
+    sizes = {rel: entry.size for rel, entry in result.manifest.files.items()}
+    compression = result.manifest.topology.get("compression")
+    problems = []
+    for name in (".metadata", INDEX_FILE):
+        if name not in result.manifest.files:
+            continue
+        path = run.step_path(result.step, name)
+        try:
+            data = run.storage.read_bytes(path, limit=result.manifest.files[name].size)
+            if name == INDEX_FILE:
+                CheckpointIndex.parse(data, source=run.storage.url(path), file_sizes=sizes,
+                                      compression=compression if compression == "zstd" else None)
+            else:
+                restricted_load_metadata(data, source=run.storage.url(path), file_sizes=sizes,
+                                         compression=compression)
+        except ResumeError as e:
+            problems.append(str(e))
+    return problems
 
 
 def verified(run: Run, step: int | None, *, deep: bool, progress: bool = False) -> Verdict:

@@ -106,6 +106,17 @@ def replace_listed_file(step_dir: str, rel: str, data: bytes, manifest: str = "m
         f.write(data)
     edit_manifest(step_dir, lambda body: body["files"].__setitem__(
         rel, {"size": len(data), "checksum": checksum_bytes(data)}), manifest)
+    if rel == ".metadata":  # the restore is to read it: a step written before the index
+        drop_index(step_dir, manifest)
+
+
+def drop_index(step_dir: str, manifest: str = "manifest.json") -> None:
+    """The step as a version before the index wrote it: no ``index.resume``, in the directory or
+    the manifest; its restores read DCP's ``.metadata``."""
+    path = os.path.join(step_dir, "index.resume")
+    if os.path.exists(path):
+        os.unlink(path)
+        edit_manifest(step_dir, lambda body: body["files"].pop("index.resume", None), manifest)
 
 
 def edit_manifest(step_dir: str, edit, manifest: str = "manifest.json") -> None:

@@ -1,0 +1,636 @@
+"""The checkpoint's index in a form that cannot run code: typed arrays, read without unpickling.
+
+DCP's ``.metadata`` is a pickle of one object per chunk: at 5,120 ranks, 613 MiB that take
+minutes to vet and to send. Beside it (still written, for ``dcp.load`` and other tools) each
+save writes ``INDEX_FILE``: a JSON header (the names: keys, files, dtypes) and five int64
+arrays, checksummed in the manifest like any file::
+
+    b"RESUMEIX" | u32 version | u32 header length | header JSON | arrays (8-byte aligned)
+
+    keys    [K, 7]  kind (0 tensor, 1 bytes), dtype, ndim, dims start, chunk start, chunk count, flags
+    dims    [D]     every tensor's global shape
+    chunks  [C, 5]  coords start, file, offset, length, transform (0 none, 1 zstd)
+    coords  [X]     each tensor chunk's offsets, then its sizes (ndim each)
+
+At a restore rank 0 reads and bounds-checks it once (``CheckpointIndex.parse``); every rank
+sends what it holds (``requests_for``: a 64-bit hash of each key and the box of each local
+chunk), rank 0 answers each rank with the entries overlapping its boxes only (``select``, the
+same format with the keys left out: they are the rank's own, in its order) and the files it
+hashes while the load reads them (``hash_owners``), and each rank builds the DCP ``Metadata`` of
+its own load from that (``partial_metadata``), after checking that the chunks it got cover each
+of its boxes exactly once. Nothing here imports a pickle; a damaged or forged index is a
+``CorruptCheckpointError`` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from resume.errors import CorruptCheckpointError, ManifestError, UnsafeCheckpointError
+from resume.manifest import check_relative_path
+from resume.text import short
+
+from .metadata_check import MAX_NAME
+
+__all__ = ["INDEX_FILE", "CheckpointIndex", "Requests", "SubIndex", "encode_index", "partial_metadata",
+           "requests_for"]
+
+INDEX_FILE = "index.resume"
+MAGIC = b"RESUMEIX"
+VERSION = 1
+ZSTD = "stream.zstd"
+_ARRAYS = (("keys", 7), ("dims", 1), ("chunks", 5), ("coords", 1))
+_MAX_INT = 2**62
+_MAX_DIMS = 64
+_HEADER_CAP = 1 << 30
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)}
+_FLAG_REQUIRES_GRAD, _FLAG_PIN = 1, 2
+
+
+def key_hash(name: str) -> int:
+    """A key's 64-bit name hash (what a rank sends for it instead of the name)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def encode_index(metadata: Metadata) -> bytes:
+    """``metadata`` (DCP's, after ``finish`` filled ``storage_data``) as the index. ValueError for
+    what the format cannot say (an unknown dtype, layout or memory format): the save then
+    writes no index and a restore reads ``.metadata`` as before."""
+    keys, files, dtypes = list(metadata.state_dict_metadata), {}, {}
+    key_rows, dims, chunk_rows, coords = [], [], [], []
+    storage = metadata.storage_data
+    for name in keys:
+        entry = metadata.state_dict_metadata[name]
+        if isinstance(entry, BytesStorageMetadata):
+            info = storage[MetadataIndex(name)]
+            key_rows.append((1, -1, 0, len(dims), len(chunk_rows), 1, 0))
+            chunk_rows.append((-1, files.setdefault(info.relative_path, len(files)), info.offset, info.length,
+                               _transform(info)))
+            continue
+        props = entry.properties
+        dtype = dtypes.setdefault(_dtype_name(props), len(dtypes))
+        flags = _FLAG_REQUIRES_GRAD * bool(props.requires_grad) + _FLAG_PIN * bool(props.pin_memory)
+        key_rows.append((0, dtype, len(entry.size), len(dims), len(chunk_rows), len(entry.chunks), flags))
+        dims.extend(entry.size)
+        for chunk in entry.chunks:
+            info = storage[MetadataIndex(name, chunk.offsets)]
+            chunk_rows.append((len(coords), files.setdefault(info.relative_path, len(files)), info.offset,
+                               info.length, _transform(info)))
+            coords.extend(chunk.offsets)
+            coords.extend(chunk.sizes)
+    header = {"keys": keys, "files": list(files), "dtypes": list(dtypes), "dcp_version": metadata.version}
+    return _pack(header, {"keys": key_rows, "dims": dims, "chunks": chunk_rows, "coords": coords})
+
+
+def _dtype_name(props: TensorProperties) -> str:
+    name = str(props.dtype).removeprefix("torch.")
+    if name not in _DTYPES or props.layout != torch.strided or props.memory_format != torch.contiguous_format:
+        raise ValueError(f"index: tensor properties: expected a strided contiguous tensor of a known dtype, "
+                         f"actual {props.dtype}, {props.layout}, {props.memory_format}")
+    return name
+
+
+def _transform(info: Any) -> int:
+    named = list(info.transform_descriptors or ())
+    if not named:
+        return 0
+    if named == [ZSTD]:
+        return 1
+    raise ValueError(f"index: transform_descriptors: expected none or [{ZSTD}], actual {named}")
+
+
+def _pack(header: dict, arrays: Mapping[str, Any]) -> bytes:
+    blobs, layout, at = [], {}, 0
+    for name, width in _ARRAYS:
+        array = np.asarray(arrays[name], dtype="<i8").reshape(-1)
+        if width > 1 and array.size % width:
+            raise ValueError(f"index: {name}: expected rows of {width}")
+        layout[name] = [at, int(array.size)]
+        blobs.append(array.tobytes())
+        at += array.nbytes
+    head = json.dumps({**header, "arrays": layout}, separators=(",", ":")).encode()
+    head += b" " * (-(len(MAGIC) + 8 + len(head)) % 8)
+    return b"".join([MAGIC, struct.pack("<II", VERSION, len(head)), head, *blobs])
+
+
+# -- reading and checking ----------------------------------------------------------------------------
+
+@dataclass
+class _Parsed:
+    header: dict
+    keys: np.ndarray
+    dims: np.ndarray
+    chunks: np.ndarray
+    coords: np.ndarray
+
+
+def _unpack(data: bytes, source: str) -> _Parsed:
+    def refuse(field: str, expected: str, actual: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{source}: {field}: expected {expected}, actual {short(actual)}")
+    if len(data) < len(MAGIC) + 8 or data[:len(MAGIC)] != MAGIC:
+        raise refuse("magic", f"{MAGIC!r}", data[:len(MAGIC)])
+    version, head_len = struct.unpack_from("<II", data, len(MAGIC))
+    if version != VERSION:
+        raise refuse("version", str(VERSION), version)
+    start = len(MAGIC) + 8
+    if head_len > min(_HEADER_CAP, len(data) - start):
+        raise refuse("header length", f"at most the {len(data) - start} bytes left", head_len)
+    try:
+        header = json.loads(data[start:start + head_len])
+    except (ValueError, RecursionError) as e:
+        raise refuse("header", "JSON", f"{type(e).__name__}: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("arrays"), dict):
+        raise refuse("header", "an object with 'arrays'", header if not isinstance(header, dict) else sorted(header))
+    body, arrays = memoryview(data)[start + head_len:], {}
+    for name, width in _ARRAYS:
+        at = header["arrays"].get(name)
+        if (not isinstance(at, list) or len(at) != 2 or any(type(v) is not int or v < 0 for v in at)
+                or at[0] % 8 or at[0] + 8 * at[1] > len(body) or at[1] % width):
+            raise refuse(f"arrays.{name}", f"[offset, count] of {width}-wide rows inside the file", at)
+        arrays[name] = np.frombuffer(body, dtype="<i8", count=at[1], offset=at[0]).reshape(-1, width) \
+            if width > 1 else np.frombuffer(body, dtype="<i8", count=at[1], offset=at[0])
+    return _Parsed(header, arrays["keys"], arrays["dims"], arrays["chunks"], arrays["coords"])
+
+
+def _names(header: dict, field: str, source: str, *, optional: bool = False) -> list[str] | None:
+    names = header.get(field)
+    if names is None and optional:
+        return None
+    if not isinstance(names, list) or not all(type(n) is str and 0 < len(n) <= MAX_NAME for n in names):
+        raise CorruptCheckpointError(f"{source}: header.{field}: expected a list of names of at most "
+                                     f"{MAX_NAME} characters, actual {short(names)}")
+    return names
+
+
+class CheckpointIndex:
+    """The index of one checkpoint, checked in shape and bounds (``parse``)."""
+
+    def __init__(self, parsed: _Parsed, source: str) -> None:
+        self.source = source
+        self.keys = parsed.keys
+        self.dims = parsed.dims
+        self.chunks = parsed.chunks
+        self.coords = parsed.coords
+        self.names: list[str] = parsed.header["keys"]
+        self.files: list[str] = parsed.header["files"]
+        self.dtypes: list[str] = parsed.header["dtypes"]
+        self.dcp_version = parsed.header.get("dcp_version")
+        self._hashes: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def parse(cls, data: bytes, *, source: str, file_sizes: Mapping[str, int] | None,
+              compression: str | None = None) -> CheckpointIndex:
+        """CorruptCheckpointError (UnsafeCheckpointError for a path leading out of the step
+        directory) unless every entry is within bounds: rows, shapes, chunks inside their
+        tensor, items inside the files ``file_sizes`` (the manifest's) lists, 1-D chunks disjoint."""
+        parsed = _unpack(data, source)
+        names = _names(parsed.header, "keys", source)
+        if len(set(names)) != len(names):
+            raise CorruptCheckpointError(f"{source}: header.keys: expected distinct names, actual duplicates")
+        index = cls(parsed, source)
+        _check_header(parsed.header, source, file_sizes, len(names), len(parsed.keys))
+        check_arrays(index, source, file_sizes, compression)
+        return index
+
+    def key_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted 64-bit hashes of the keys, the key each belongs to)."""
+        if self._hashes is None:
+            hashes = np.fromiter((key_hash(n) for n in self.names), dtype=np.int64, count=len(self.names))
+            order = np.argsort(hashes, kind="stable")
+            if len(hashes) > 1 and (np.diff(hashes[order]) == 0).any():
+                raise CorruptCheckpointError(f"{self.source}: header.keys: expected names with distinct "
+                                             "64-bit hashes, actual a collision")
+            self._hashes = (hashes[order], order)
+        return self._hashes
+
+
+def _check_header(header: dict, source: str, file_sizes: Mapping[str, int] | None, names: int, rows: int) -> None:
+    if names != rows:
+        raise CorruptCheckpointError(f"{source}: arrays.keys: expected {names} rows (one per key), actual {rows}")
+    for path in _names(header, "files", source) or ():
+        try:
+            check_relative_path(path, source=source)
+        except ManifestError as e:
+            raise UnsafeCheckpointError(f"{source}: header.files: expected files inside the step directory, "
+                                        f"actual {short(path)}") from e
+        if file_sizes is not None and path not in file_sizes:
+            raise CorruptCheckpointError(f"{source}: header.files: expected files the manifest lists, "
+                                         f"actual {short(path)}")
+    dtypes = _names(header, "dtypes", source) or []
+    unknown = [d for d in dtypes if d not in _DTYPES]
+    if unknown:
+        raise CorruptCheckpointError(f"{source}: header.dtypes: expected names of {sorted(_DTYPES)}, "
+                                     f"actual {short(unknown)}")
+
+
+def check_arrays(index: CheckpointIndex | SubIndex, source: str, file_sizes: Mapping[str, int] | None,
+                 compression: str | None) -> None:
+    """The arrays' bounds, vectorized: every row points inside its table, every chunk inside its
+    tensor, every item inside its file."""
+    def refuse(field: str, expected: str, rows: np.ndarray) -> CorruptCheckpointError:
+        bad = int(np.flatnonzero(rows)[0])
+        return CorruptCheckpointError(f"{source}: {field}[{bad}]: expected {expected}, actual "
+                                      f"{short(_row(index, field, bad))}")
+    keys, chunks = index.keys, index.chunks
+    kind, dtype, ndim, dims_at, first, count, flags = keys.T if len(keys) else [np.zeros(0, np.int64)] * 7
+    tensor = kind == 0
+    checks = [
+        ("keys", "kind 0 (tensor) or 1 (bytes)", (kind != 0) & (kind != 1)),
+        ("keys", f"a dtype among the {len(index.dtypes)} named", tensor & ((dtype < 0) | (dtype >= len(index.dtypes)))),
+        ("keys", f"at most {_MAX_DIMS} dimensions inside dims", (ndim < 0) | (ndim > _MAX_DIMS) | (dims_at < 0)
+         | (dims_at + ndim > len(index.dims)) | (~tensor & (ndim != 0))),
+        ("keys", "chunks in order, inside chunks", (first != np.concatenate([[0], np.cumsum(count)[:-1]]))
+         | (count < 0) | (~tensor & (count != 1)) | (flags < 0) | (flags > 3)),
+    ]
+    for field, expected, bad in checks:
+        if bad.any():
+            raise refuse(field, expected, bad)
+    if len(keys) and int(count.sum()) != len(chunks):
+        raise CorruptCheckpointError(f"{source}: arrays.chunks: expected {int(count.sum())} rows (the keys' "
+                                     f"chunks), actual {len(chunks)}")
+    if (index.dims < 0).any() or (index.dims > _MAX_INT).any():
+        raise refuse("dims", f"sizes in [0, {_MAX_INT}]", (index.dims < 0) | (index.dims > _MAX_INT))
+    _check_items(index, source, file_sizes, compression, refuse)
+    _check_chunk_boxes(index, source, refuse)
+
+
+def _row(index: Any, field: str, i: int) -> Any:
+    table = getattr(index, field)
+    return table[i].tolist()
+
+
+def _check_items(index: Any, source: str, file_sizes: Mapping[str, int] | None, compression: str | None,
+                 refuse: Any) -> None:
+    chunks = index.chunks
+    if not len(chunks):
+        return
+    _, file, offset, length, transform = chunks.T
+    bad = (file < 0) | (file >= len(index.files)) | (offset < 0) | (length < 0) | (offset > _MAX_INT) \
+        | (length > _MAX_INT) | (transform < 0) | (transform > (1 if compression == "zstd" else 0))
+    if bad.any():
+        raise refuse("chunks", f"a listed file, a byte range and transform {'0 or 1' if compression == 'zstd' else '0'}"
+                     " (the compression the manifest records)", bad)
+    if file_sizes is not None:
+        sizes = np.array([file_sizes[f] for f in index.files], dtype=np.int64)
+        over = offset + length > sizes[file]
+        if over.any():
+            raise refuse("chunks", "offset + length within the file's size", over)
+
+
+def _check_chunk_boxes(index: Any, source: str, refuse: Any) -> None:
+    """Each tensor chunk's offsets and sizes inside the tensor; stored raw, an item at least its
+    chunk's bytes; in one dimension, chunks disjoint."""
+    keys, chunks = index.keys, index.chunks
+    if not len(keys):
+        return
+    chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5])
+    for nd in np.unique(keys[:, 2]):
+        nd = int(nd)
+        mine = np.flatnonzero((keys[chunk_key, 0] == 0) & (keys[chunk_key, 2] == nd))
+        if not len(mine):
+            continue
+        at = chunks[mine, 0]
+        if ((at < 0) | (at + 2 * nd > len(index.coords))).any():
+            raise refuse("chunks", "coords inside coords", np.isin(np.arange(len(chunks)), mine[(at < 0) | (at + 2 * nd > len(index.coords))]))
+        box = index.coords[at[:, None] + np.arange(2 * nd)] if nd else np.zeros((len(mine), 0), np.int64)
+        offsets, sizes = box[:, :nd], box[:, nd:]
+        shape = index.dims[keys[chunk_key[mine], 3][:, None] + np.arange(nd)] if nd else offsets
+        bad = (offsets < 0).any(1) | (sizes < 0).any(1) | (offsets + sizes > shape).any(1)
+        if bad.any():
+            where = np.zeros(len(chunks), bool)
+            where[mine[bad]] = True
+            raise refuse("chunks", "offsets + sizes within the tensor's shape", where)
+        itemsize = np.array([_DTYPES[d].itemsize for d in index.dtypes] or [1], np.int64)[keys[chunk_key[mine], 1]]
+        raw = chunks[mine, 4] == 0
+        too_small = raw & (chunks[mine, 3] < np.prod(sizes, axis=1, dtype=np.float64) * itemsize)
+        if too_small.any():
+            where = np.zeros(len(chunks), bool)
+            where[mine[too_small]] = True
+            raise refuse("chunks", "at least the chunk's bytes (stored raw)", where)
+        if nd == 1:
+            _check_disjoint_1d(chunk_key[mine], offsets[:, 0], sizes[:, 0], source)
+
+
+def _check_disjoint_1d(keys: np.ndarray, starts: np.ndarray, sizes: np.ndarray, source: str) -> None:
+    order = np.lexsort((starts, keys))
+    k, s, e = keys[order], starts[order], starts[order] + sizes[order]
+    overlap = (k[1:] == k[:-1]) & (s[1:] < e[:-1]) & (sizes[order][1:] > 0)
+    if overlap.any():
+        raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual two "
+                                     f"overlapping at offset {int(s[1:][overlap][0])}")
+
+
+# -- what a rank holds, and what it gets --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Requests:
+    """What a rank's flattened state dict holds: per box, its key's hash, the box's number of
+    dimensions and where its offsets and sizes start in ``coords``. ``names``: the keys, in
+    order (kept on the rank: only the arrays travel)."""
+
+    names: list[str]
+    hashes: np.ndarray
+    ndim: np.ndarray
+    coords_at: np.ndarray
+    coords: np.ndarray
+
+    def wire(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return (self.hashes.tobytes(), self.ndim.tobytes(), self.coords_at.tobytes(), self.coords.tobytes())
+
+
+def requests_for(flat_state: Mapping[str, Any]) -> Requests:
+    """The boxes of a flattened state dict (``flatten_state_dict(_flatten_sharded_tensors(...))``):
+    a DTensor's or ShardedTensor's local chunks, a tensor whole, anything else a bytes entry
+    (ndim -1); a DTensor of a mesh this rank is not part of, nothing."""
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+    from torch.distributed.tensor import DTensor
+
+    names, hashes, ndims, at, coords = [], [], [], [], []
+    for name, value in flat_state.items():
+        if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(value)]
+        else:
+            boxes = [None]
+        h = key_hash(name)
+        for box in boxes:
+            names.append(name)
+            hashes.append(h)
+            at.append(len(coords))
+            if box is None:
+                ndims.append(-1)
+            else:
+                ndims.append(len(box[0]))
+                coords.extend(box[0])
+                coords.extend(box[1])
+    return Requests(names, np.array(hashes, np.int64), np.array(ndims, np.int64), np.array(at, np.int64),
+                    np.array(coords, np.int64))
+
+
+def _from_wire(wire: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    if not (isinstance(wire, tuple) and len(wire) == 4 and all(type(b) is bytes for b in wire)):
+        raise ValueError("index request: expected four byte strings")
+    hashes, ndim, at, coords = (np.frombuffer(b, dtype=np.int64) for b in wire)
+    if not len(hashes) == len(ndim) == len(at):
+        raise ValueError("index request: expected as many hashes, ranks and starts")
+    return hashes, ndim, at, coords
+
+
+# -- rank 0: each rank's entries ------------------------------------------------------------------------
+
+ABSENT = 2
+"""A sub-index row's kind for a key the checkpoint does not hold (DCP's plan then names it)."""
+
+
+def select(index: CheckpointIndex, wires: list[Any], hashed: Iterable[str]) -> list[bytes]:
+    """Each rank's sub-index: for each of its boxes, in its order, the key's shape and the chunks
+    overlapping the box; and the files of ``hashed`` it reads whole and hashes (each file one
+    rank's: the one that reads most of it, else dealt out)."""
+    ranks = len(wires)
+    parts = [_from_wire(w) for w in wires]
+    counts = np.array([len(p[0]) for p in parts], np.int64)
+    rank_of = np.repeat(np.arange(ranks), counts)
+    hashes = np.concatenate([p[0] for p in parts]) if ranks else np.zeros(0, np.int64)
+    ndim = np.concatenate([p[1] for p in parts]) if ranks else np.zeros(0, np.int64)
+    coord_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])[:-1]]).astype(np.int64)
+    at = np.concatenate([p[2] + coord_base[r] for r, p in enumerate(parts)]) if ranks else np.zeros(0, np.int64)
+    coords = np.concatenate([p[3] for p in parts]) if ranks else np.zeros(0, np.int64)
+    if ((ndim < -1) | (ndim > _MAX_DIMS) | (at < 0) | (at + 2 * np.maximum(ndim, 0) > len(coords))).any():
+        raise ValueError("index request: a box outside its coordinates")
+    key = _key_of(index, hashes)
+    req, chunk = _overlaps(index, key, ndim, at, coords)
+    owners = hash_owners(index, rank_of[req], chunk, list(hashed), ranks)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    by_rank = np.searchsorted(req, bounds)
+    return [_sub_index(index, key[bounds[r]:bounds[r + 1]], req[by_rank[r]:by_rank[r + 1]] - bounds[r],
+                       chunk[by_rank[r]:by_rank[r + 1]], owners.get(r, []))
+            for r in range(ranks)]
+
+
+def _key_of(index: CheckpointIndex, hashes: np.ndarray) -> np.ndarray:
+    """Each request's key (-1: the checkpoint has none of that name)."""
+    sorted_hashes, order = index.key_hashes()
+    if not len(sorted_hashes):
+        return np.full(len(hashes), -1, np.int64)
+    pos = np.minimum(np.searchsorted(sorted_hashes, hashes), len(sorted_hashes) - 1)
+    return np.where(sorted_hashes[pos] == hashes, order[pos], -1)
+
+
+def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.ndarray,
+              coords: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(request, chunk) pairs, sorted by request: every chunk of the request's key overlapping its
+    box (a bytes key: its one item)."""
+    keys = index.keys
+    known = key >= 0
+    kind = np.where(known, keys[np.maximum(key, 0), 0], ABSENT)
+    knd = np.where(known, keys[np.maximum(key, 0), 2], -2)
+    pairs_r, pairs_c = [], []
+    plain = np.flatnonzero((kind == 1) & (ndim == -1))
+    pairs_r.append(plain)
+    pairs_c.append(keys[key[plain], 4])
+    boxed = np.flatnonzero((kind == 0) & (ndim == knd))
+    order = boxed[np.argsort(key[boxed], kind="stable")]
+    splits = np.flatnonzero(np.diff(key[order])) + 1
+    for group in np.split(order, splits) if len(order) else []:
+        k = int(key[group[0]])
+        nd, first, count = int(keys[k, 2]), int(keys[k, 4]), int(keys[k, 5])
+        cs = index.chunks[first:first + count, 0]
+        c_box = index.coords[cs[:, None] + np.arange(2 * nd)] if nd else np.zeros((count, 0), np.int64)
+        r_box = coords[at[group][:, None] + np.arange(2 * nd)] if nd else np.zeros((len(group), 0), np.int64)
+        r, c = _box_pairs(r_box, c_box, nd)
+        pairs_r.append(group[r])
+        pairs_c.append(first + c)
+    req, chunk = np.concatenate(pairs_r), np.concatenate(pairs_c)
+    order = np.argsort(req, kind="stable")
+    return req[order].astype(np.int64), chunk[order].astype(np.int64)
+
+
+def _box_pairs(r_box: np.ndarray, c_box: np.ndarray, nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (request, chunk) of the boxes that overlap (a zero-size box overlaps nothing; a
+    0-d tensor's one chunk everything)."""
+    if nd == 0:
+        r, c = np.meshgrid(np.arange(len(r_box)), np.arange(len(c_box)), indexing="ij")
+        return r.ravel(), c.ravel()
+    if nd == 1:  # disjoint (checked): the overlapping chunks are one run of the sorted ones
+        order = np.argsort(c_box[:, 0], kind="stable")
+        starts, ends = c_box[order, 0], c_box[order, 0] + c_box[order, 1]
+        a, b = r_box[:, 0], r_box[:, 0] + r_box[:, 1]
+        lo, hi = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
+        hi = np.where(b > a, np.maximum(hi, lo), lo)
+        n = hi - lo
+        r = np.repeat(np.arange(len(r_box)), n)
+        c = order[np.repeat(lo - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))]
+        keep = c_box[c, 1] > 0
+        return r[keep], c[keep]
+    rs, cs = [], []
+    block = max(1, (1 << 22) // max(1, len(c_box) * nd))
+    for i in range(0, len(r_box), block):
+        rb = r_box[i:i + block]
+        lo = np.maximum(rb[:, None, :nd], c_box[None, :, :nd])
+        hi = np.minimum(rb[:, None, :nd] + rb[:, None, nd:], c_box[None, :, :nd] + c_box[None, :, nd:])
+        r, c = np.nonzero((lo < hi).all(axis=2))
+        rs.append(r + i)
+        cs.append(c)
+    return np.concatenate(rs), np.concatenate(cs)
+
+
+def hash_owners(index: CheckpointIndex, rank: np.ndarray, chunk: np.ndarray, hashed: list[str],
+                ranks: int) -> dict[int, list[str]]:
+    """The files each rank reads whole and hashes: each of ``hashed`` by the rank that reads most
+    of its bytes (a file nobody reads: dealt out in turn)."""
+    position = {name: i for i, name in enumerate(index.files)}
+    owners: dict[int, list[str]] = {}
+    best: dict[int, int] = {}
+    if len(chunk):
+        file = index.chunks[chunk, 1]
+        pair = rank * len(index.files) + file
+        uniq, inverse = np.unique(pair, return_inverse=True)
+        read = np.bincount(inverse, weights=index.chunks[chunk, 3].astype(np.float64))
+        by_file = uniq % len(index.files)
+        order = np.lexsort((uniq // len(index.files), -read, by_file))
+        first = np.concatenate([[True], by_file[order][1:] != by_file[order][:-1]])
+        for u in order[first]:
+            best[int(by_file[u])] = int(uniq[u] // len(index.files))
+    for turn, name in enumerate(sorted(hashed)):
+        f = position.get(name)
+        owner = best.get(f, turn % ranks) if f is not None else turn % ranks
+        owners.setdefault(owner, []).append(name)
+    return owners
+
+
+def _sub_index(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray,
+               hashed: list[str]) -> bytes:
+    """One rank's answer (``SubIndex``): a row per request, in its order."""
+    rows = np.zeros((len(key), 7), np.int64)
+    known = key >= 0
+    rows[known] = index.keys[key[known]]
+    rows[~known, 0] = ABSENT
+    rows[:, 5] = np.bincount(req, minlength=len(key)) if len(key) else 0
+    rows[:, 4] = np.concatenate([[0], np.cumsum(rows[:, 5])[:-1]]) if len(key) else 0
+    nd = np.where(rows[:, 0] == 0, rows[:, 2], 0)
+    dims_src = np.repeat(rows[:, 3] - np.concatenate([[0], np.cumsum(nd)[:-1]]), nd) + np.arange(int(nd.sum()))
+    dims = index.dims[dims_src]
+    rows[:, 3] = np.concatenate([[0], np.cumsum(nd)[:-1]])
+    rows[~(rows[:, 0] == 0), 2] = 0
+    chunks = index.chunks[chunk].copy()
+    c_nd = rows[req, 2]
+    width = 2 * c_nd
+    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
+    src = np.repeat(chunks[:, 0] - starts, width) + np.arange(int(width.sum()))
+    coords = index.coords[src] if len(src) else np.zeros(0, np.int64)
+    chunks[:, 0] = np.where(c_nd > 0, starts, np.where(chunks[:, 0] < 0, -1, starts))
+    used, remap = np.unique(chunks[:, 1], return_inverse=True)
+    files = [index.files[int(f)] for f in used]
+    chunks[:, 1] = remap.reshape(-1)
+    header = {"keys": None, "files": files, "dtypes": index.dtypes, "hash": hashed,
+              "dcp_version": index.dcp_version}
+    return _pack(header, {"keys": rows, "dims": dims, "chunks": chunks, "coords": coords})
+
+
+# -- every rank: its own load's Metadata -----------------------------------------------------------------
+
+@dataclass
+class SubIndex:
+    keys: np.ndarray
+    dims: np.ndarray
+    chunks: np.ndarray
+    coords: np.ndarray
+    files: list[str]
+    dtypes: list[str]
+    hashed: list[str]
+    dcp_version: Any
+
+
+def partial_metadata(data: bytes, requests: Requests, *, source: str) -> tuple[Metadata, list[str]]:
+    """(DCP's Metadata of this rank's load, the files it hashes whole) from rank 0's answer.
+    CorruptCheckpointError when the chunks do not cover one of its boxes exactly once (a gap
+    would leave memory unread, an overlap read twice)."""
+    parsed = _unpack(data, source)
+    files = _names(parsed.header, "files", source) or []
+    sub = SubIndex(parsed.keys, parsed.dims, parsed.chunks, parsed.coords, files,
+                   _names(parsed.header, "dtypes", source) or [], _names(parsed.header, "hash", source) or [],
+                   parsed.header.get("dcp_version"))
+    if len(sub.keys) != len(requests.names):
+        raise CorruptCheckpointError(f"{source}: keys: expected {len(requests.names)} rows (one per box), "
+                                     f"actual {len(sub.keys)}")
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for row, name in enumerate(requests.names):
+        kind, dtype, nd, dims_at, first, count, flags = (int(v) for v in sub.keys[row])
+        if kind == ABSENT:
+            continue
+        if kind == 1:
+            entries[name] = BytesStorageMetadata()
+            storage[MetadataIndex(name)] = _info(sub, first)
+            continue
+        size = torch.Size(int(v) for v in sub.dims[dims_at:dims_at + nd])
+        entry = entries.get(name)
+        if entry is None:
+            props = TensorProperties(dtype=_DTYPES[sub.dtypes[dtype]], requires_grad=bool(flags & _FLAG_REQUIRES_GRAD),
+                                     pin_memory=bool(flags & _FLAG_PIN))
+            entry = entries[name] = TensorStorageMetadata(properties=props, size=size, chunks=[])
+        covered = 0
+        for c in range(first, first + count):
+            at = int(sub.chunks[c, 0])
+            offsets = torch.Size(int(v) for v in sub.coords[at:at + nd])
+            sizes = torch.Size(int(v) for v in sub.coords[at + nd:at + 2 * nd])
+            index = MetadataIndex(name, offsets)
+            if index not in storage:
+                entry.chunks.append(ChunkStorageMetadata(offsets, sizes))
+                storage[index] = _info(sub, c)
+            covered += _intersection(requests, row, offsets, sizes)
+        _check_covered(requests, row, covered, source)
+    metadata = Metadata(state_dict_metadata=entries, storage_data=storage)
+    metadata.version = sub.dcp_version if isinstance(sub.dcp_version, str) else None
+    return metadata, sub.hashed
+
+
+def _info(sub: SubIndex, c: int) -> Any:
+    _, file, offset, length, transform = (int(v) for v in sub.chunks[c])
+    return _fs._StorageInfo(sub.files[file], offset, length, [ZSTD] if transform else None)
+
+
+def _box(requests: Requests, row: int) -> tuple[list[int], list[int]]:
+    nd, at = int(requests.ndim[row]), int(requests.coords_at[row])
+    return requests.coords[at:at + nd].tolist(), requests.coords[at + nd:at + 2 * nd].tolist()
+
+
+def _intersection(requests: Requests, row: int, offsets: torch.Size, sizes: torch.Size) -> int:
+    own_off, own_size = _box(requests, row)
+    volume = 1
+    for a, n, o, s in zip(own_off, own_size, offsets, sizes, strict=True):
+        volume *= max(0, min(a + n, o + s) - max(a, o))
+    return volume
+
+
+def _check_covered(requests: Requests, row: int, covered: int, source: str) -> None:
+    _, own_size = _box(requests, row)
+    volume = math.prod(own_size)
+    if covered != volume:
+        raise CorruptCheckpointError(
+            f"{source}: {short(requests.names[row])}: chunks: expected the saved chunks to cover this rank's "
+            f"{volume} elements exactly once, actual {covered} (the index is damaged)")
