@@ -188,17 +188,29 @@ def save_job(rank: int, world: int, run: str, kind: str) -> dict:
 def restore_job(rank: int, world: int, run: str, kind: str) -> dict:
     """Restore on ``kind``; the global tensors right after, the next update's batch and LR, the
     log's layout line; then a save at 12, whose manifest records the change."""
+    import resume.adapters.torch.shards as shards
+
     lines = Lines()
     logging.getLogger("resume").addHandler(lines)
-    coord, parts = build(run, kind, world)
-    coord.restore()
+    answers, partial = [], shards.partial_metadata
+
+    def counted(*args, **kwargs):
+        metadata, hashed = partial(*args, **kwargs)
+        answers.append({"entries": len(metadata.storage_data), "hashed": hashed})
+        return metadata, hashed
+    shards.partial_metadata = counted
+    try:
+        coord, parts = build(run, kind, world)
+        coord.restore()
+    finally:
+        shards.partial_metadata = partial
     loaded = global_digests(parts)
     after = train(coord, parts, until=12)
     coord.close()
     manifest = json.loads((Path(run) / "step-000000012" / "manifest.json").read_text())
     return {"loaded": loaded, "next": after[0], "restored": coord.restored_from,
             "layout_lines": [line for line in lines.lines if "layout changed" in line],
-            "changes": manifest["changes"], "topology": manifest["topology"]}
+            "changes": manifest["changes"], "topology": manifest["topology"], "answers": answers}
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +246,25 @@ def test_fsdp2_checkpoint_restarts_on_another_layout_exactly(fsdp_run, tmp_path,
     assert out["topology"]["layout"]["world_size"] == world
 
 
+def test_a_restart_on_another_data_parallel_size_reads_only_its_own_entries(fsdp_run, tmp_path):
+    """FSDP2 on 2 ranks restored on 4: each rank is sent the index entries of its own shards only
+    (fewer than the checkpoint holds), and each shard file is hashed by exactly one rank."""
+    from resume.adapters.dcp.index import CheckpointIndex
+
+    run, _ = fsdp_run
+    copy = tmp_path / "fsdp-4"
+    shutil.copytree(run, copy)
+    outs = run_ranks(restore_job, 4, str(copy), "fsdp")
+    step = run / "step-000000008"
+    index = CheckpointIndex.parse((step / "index.resume").read_bytes(), source="index", file_sizes=None)
+    total = len(index.chunks)
+    for out in outs:
+        (answer,) = out["answers"]
+        assert 0 < answer["entries"] < total, (answer, total)
+    hashed = sorted(f for out in outs for f in out["answers"][0]["hashed"])
+    assert hashed == sorted(p.name for p in step.glob("*.distcp"))
+
+
 def test_tensor_parallel_checkpoint_goes_back_to_fsdp2(fsdp_run, tmp_path):
     run, _ = fsdp_run
     tp = tmp_path / "tp"
@@ -254,10 +285,22 @@ def save_job_from_12(rank: int, world: int, run: str, kind: str) -> dict:
     from the checkpoint itself with DCP into full tensors) against those after the restore."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    import resume.adapters.torch.shards as shards
+
     lines = Lines()
     logging.getLogger("resume").addHandler(lines)
-    coord, parts = build(run, kind, world)
-    coord.restore()
+    answers, partial = [], shards.partial_metadata
+
+    def counted(*args, **kwargs):
+        metadata, hashed = partial(*args, **kwargs)
+        answers.append({"entries": len(metadata.storage_data), "hashed": hashed})
+        return metadata, hashed
+    shards.partial_metadata = counted
+    try:
+        coord, parts = build(run, kind, world)
+        coord.restore()
+    finally:
+        shards.partial_metadata = partial
     loaded = global_digests(parts)
     coord.close()
     flat = Path(run).parent / f"flat-{rank}.pt"
