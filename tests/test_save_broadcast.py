@@ -220,7 +220,7 @@ def test_kept_metadata_pickles_small_and_copies_whole():
 
     metadata = KeptMetadata(state_dict_metadata={f"w{i}": None for i in range(1000)}, version="1.0.0")
     summary = pickle.loads(pickle.dumps(metadata))
-    assert (type(summary).__name__, summary.items, summary.files, summary.version) == (
+    assert (type(summary).__name__, summary.items, summary.chunks, summary.version) == (
         "MetadataSummary", 1000, 0, "1.0.0")
     for other in (copy.copy(metadata), copy.deepcopy(metadata)):
         assert type(other) is KeptMetadata and other.state_dict_metadata == metadata.state_dict_metadata
