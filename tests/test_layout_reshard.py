@@ -188,7 +188,7 @@ def save_job(rank: int, world: int, run: str, kind: str) -> dict:
 def restore_job(rank: int, world: int, run: str, kind: str) -> dict:
     """Restore on ``kind``; the global tensors right after, the next update's batch and LR, the
     log's layout line; then a save at 12, whose manifest records the change."""
-    import resume.adapters.torch.shards as shards
+    from resume.adapters.torch import shards
 
     lines = Lines()
     logging.getLogger("resume").addHandler(lines)
@@ -285,22 +285,10 @@ def save_job_from_12(rank: int, world: int, run: str, kind: str) -> dict:
     from the checkpoint itself with DCP into full tensors) against those after the restore."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    import resume.adapters.torch.shards as shards
-
     lines = Lines()
     logging.getLogger("resume").addHandler(lines)
-    answers, partial = [], shards.partial_metadata
-
-    def counted(*args, **kwargs):
-        metadata, hashed = partial(*args, **kwargs)
-        answers.append({"entries": len(metadata.storage_data), "hashed": hashed})
-        return metadata, hashed
-    shards.partial_metadata = counted
-    try:
-        coord, parts = build(run, kind, world)
-        coord.restore()
-    finally:
-        shards.partial_metadata = partial
+    coord, parts = build(run, kind, world)
+    coord.restore()
     loaded = global_digests(parts)
     coord.close()
     flat = Path(run).parent / f"flat-{rank}.pt"
