@@ -8,11 +8,67 @@ data-parallel rank per global batch. Rank 0 runs the library's own save and rest
 (``Coordinator`` over ``NativeTorchAdapter``, ``StepCommit``, ``Collective``, the manifest,
 retention, discovery, the continuity check) over ``SimComm``, N ranks in this process that count
 the bytes each rank receives; the other ranks' parts are synthesized in the shape and size the
-real code gives them (``synthesize``), and their own work is not counted as rank 0's. DCP's global
-planning and ``.metadata`` run for real on synthetic plans shaped like the reference layout's.
-Not simulated: network and storage latency at scale, other ranks' CPU time. The method in full
-and the figures: docs/performance.md. The last line with ``--json`` is one JSON object: ``ranks``
-maps each N to its figures, ``growth`` gives the ratios from the second-largest to the largest N.
+real code gives them (``synthesize``), and their own work is not counted as rank 0's. DCP's
+global planning, ``.metadata`` and the index (``index.resume``) run for real on synthetic plans
+shaped like the reference layout's, and so do rank 0's handling of that index at a restore (every
+rank's requests answered), one other rank's, and its DCP load planning. Not simulated: network
+and storage latency at scale, other ranks' CPU time. The method in full and the figures:
+docs/performance.md. The last line with ``--json`` is one JSON object: ``ranks`` maps each N to
+its figures, ``growth`` gives the ratios (``ratio``, of the ``GROWTH_KEYS``) from the
+second-largest N (``from``) to the largest (``to``; ``ranks``: their ratio); ``tensors_per_rank``,
+``saves``, ``elapsed_s`` and ``machine`` (cores, torch, python) describe the run.
+
+Each N's figures (seconds ``_s``, sizes ``_bytes``; "rank 0" is the library's own code, timed):
+
+The save, the control plane (``control_plane``):
+    ``layout``; ``bytes_per_rank_per_save`` (the busiest non-0 rank) and ``rank0_bytes_per_save``,
+    received through the collectives; ``rank0_save_s`` (the mean of the saves once retention
+    deletes, ``rank0_saves_averaged`` of them), ``rank0_save_max_s`` (the slowest),
+    ``rank0_save_parts_s`` (``manifest_write``, ``retention``, ``gather_and_rest``, and
+    ``garbage_collection``: the collector's time in any part); ``collectives_per_save`` by kind.
+The manifest and discovery:
+    ``manifest_bytes``, ``manifest_files``, ``manifest_parse_s``, ``find_latest_s``.
+The restore, the control plane (``restore``: rank 0, then ranks 1 and N - 1 replaying):
+    ``rank0_restore_s``: rank 0's restore without shard I/O and without its index exchange, which
+    runs over this process's tiny state (``rank0_restore_index_sim_s``, left out: the reference
+    layout's is below); ``restore_control_bytes_received_per_rank``: what the busiest of those
+    two ranks receives through the collectives, its index answer left out;
+    ``restore_broadcasts_of_metadata``: broadcasts carrying DCP's metadata (0: the index is
+    scattered); files read, every open reading the whole file, ``.metadata`` and the index at
+    the reference layout's sizes: ``restore_bytes_read`` (shards apart), ``busiest_file``,
+    ``busiest_file_bytes``, ``max_readers_per_file``, ``most_read_files`` (file, readers, opens,
+    bytes), ``files_opened_by_rank0``.
+DCP's save (``dcp_figures``):
+    ``dcp_plans_build_s`` (making the synthetic local plans), ``dcp_plan_s`` and
+    ``dcp_plan_cached_s`` (the global plan, uncached and cached), ``dcp_items_written``,
+    ``dcp_local_plan_bytes``, ``dcp_plan_bytes_per_rank`` and ``dcp_plan_bytes_per_rank_cached``
+    (what a rank receives of the global plan), ``dcp_final_broadcast_bytes`` (what DCP's
+    end-of-save broadcast carries: the planner's Metadata pickled, a ``MetadataSummary``),
+    ``dcp_bytes_per_rank_per_save`` and ``dcp_bytes_per_rank_per_save_cached`` (plan + that
+    broadcast); rank 0 at every save (``StepWriter.finish``): ``metadata_write_s`` (DCP's
+    ``.metadata``), ``index_write_s`` (``encode_index`` and the write) and ``index_bytes``.
+The index at a restore (``index_figures``; every rank's requests built from what it holds, as
+``requests_for`` makes them, checked against it on ranks 0, 1 and N - 1):
+    rank 0: ``index_rank0_s`` = ``index_read_s`` + ``index_parse_s`` (``CheckpointIndex.parse``
+    with the files' sizes) + ``index_select_s`` (``select`` for all N ranks);
+    ``index_rank0_comm_s`` (unpickling every rank's request and pickling every rank's answer, as
+    torch's gather and scatter make it do), ``index_requests_bytes_rank0`` (the requests it
+    receives); the other ranks: ``index_other_rank`` (the rank with the largest answer),
+    ``index_other_rank_s`` (its ``partial_metadata``), ``index_bytes_per_rank`` (that answer) and
+    ``index_bytes_per_rank_min``, ``index_scatter_bytes_per_rank`` (the answer as the scatter
+    sends it); DCP's load planning of that rank (``plan_load``: what ``dcp.load(no_dist=True)``
+    plans): ``load_plan_s`` from its own entries, ``load_plan_full_metadata_s`` from the whole
+    Metadata (what plain ``dcp.load`` plans from, on every rank).
+``.metadata``, the path of checkpoints written before the index (``metadata_figures``):
+    ``metadata_bytes``; ``metadata_unpickle_s``, our allow-list unpickler (rank 0 at such a
+    restore; ``metadata_unpickle``: measured, or extrapolated at the largest measured size's
+    seconds per byte above ``--unpickle-cap-mb``, or not measured: null);
+    ``metadata_plain_unpickle_s`` (every other rank, of what rank 0 sends) and
+    ``metadata_pickle_s`` (rank 0 pickling the object to send it).
+Totals:
+    ``restore_bytes_received_per_rank``: every byte a non-0 rank receives at a restore, the
+    control plane's collectives and its index answer (DCP's load makes no collective);
+    ``elapsed_s``: this N's measurement, wall time.
 """
 
 from __future__ import annotations
@@ -36,6 +92,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import numpy as np
 import torch
 from bench_common import quiet
 
@@ -43,7 +100,18 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.dcp.filesystem import make_writer
-from resume.adapters.dcp.plan_cache import CachingSavePlanner, forget
+from resume.adapters.dcp.index import (
+    INDEX_FILE,
+    MAGIC,
+    CheckpointIndex,
+    Requests,
+    key_hash,
+    partial_metadata,
+    requests_for,
+    select,
+)
+from resume.adapters.dcp.plan_cache import CachingSavePlanner, MetadataSummary, forget
+from resume.adapters.dcp.reader import SafeLoadPlanner
 from resume.adapters.dcp.unpickle import restricted_load_metadata
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -201,8 +269,8 @@ class Traffic:
 class SimComm:
     """``resume.comm.Comm`` for rank ``rank`` of ``world_size`` ranks in this process.
 
-    Every other rank's part is ``synthesize(own part, r)``; rank 0's broadcasts are recorded
-    (``record``) or, on another rank, replayed in order (``replay``). ``traffic`` counts the
+    Every other rank's part is ``synthesize(own part, r)``; rank 0's broadcasts and scatters are
+    recorded (``record``) or, on another rank, replayed in order (``replay``). ``traffic`` counts the
     bytes each collective delivers; ``excluded_s`` is the time spent making and pickling the
     other ranks' parts (their work, not this rank's)."""
 
@@ -213,6 +281,7 @@ class SimComm:
         self.synthesize = synthesize
         self.replay = list(replay) if replay is not None else None
         self.record: list[Any] = []
+        self.scattered: list[tuple[Any, int]] = []
         self.traffic = Traffic()
         self.excluded_s = 0.0
 
@@ -254,6 +323,28 @@ class SimComm:
         blobs, total = self._parts(obj)
         self.traffic.add("gather", total - len(blobs[0]), 0)
         return [pickle.loads(b) for b in blobs]
+
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """Each rank receives its own object only (``traffic`` counts, for the busiest other
+        rank, its own object's bytes); ``scattered`` keeps this rank's objects and sizes."""
+        if src != 0:
+            raise NotImplementedError("SimComm: scatters from rank 0 only (all the library makes)")
+        if self.rank != 0:
+            if not self.replay:
+                raise RuntimeError("SimComm: rank 0 scattered less than this rank expects")
+            objs = self.replay.pop(0)
+        if objs is None or len(objs) != self.world_size:
+            raise ValueError(f"SimComm: scatter: expected {self.world_size} objects")
+        self.record.append(objs)
+        if self.rank == 0:  # torch's scatter_object_list pickles every rank's object on the source
+            sizes = [len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in objs]
+            self.traffic.add("scatter", 0, max(sizes[1:], default=0))
+            own = sizes[0]
+        else:
+            own = len(pickle.dumps(objs[self.rank], protocol=pickle.HIGHEST_PROTOCOL))
+            self.traffic.add("scatter", 0, own)
+        self.scattered.append((objs[self.rank], own))
+        return pickle.loads(pickle.dumps(objs[self.rank], protocol=pickle.HIGHEST_PROTOCOL))
 
     def max_flags(self, flags: list[int]) -> list[int]:
         return [int(f) for f in flags]  # every rank agrees with rank 0 (no request, no signal)
@@ -407,7 +498,7 @@ def _generic(path: str, rank: int) -> str:
 
 # -- the control plane: saves and a restore through the real Coordinator -------------------------
 
-def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_bytes: int) -> dict:
+def control_plane(layout: Layout, root: str, tensors: int, saves: int, reference_sizes: dict[str, int]) -> dict:
     run_dir = os.path.join(root, f"run-{layout.ranks}")
     synth = Synthesizer(layout, run_dir)
     comm = SimComm(layout.ranks, synth)
@@ -461,7 +552,7 @@ def control_plane(layout: Layout, root: str, tensors: int, saves: int, metadata_
         "manifest_parse_s": parse_s,
         "find_latest_s": find_s,
     }
-    figures.update(restore(layout, run_dir, tensors, step_dir, metadata_bytes))
+    figures.update(restore(layout, run_dir, tensors, step_dir, reference_sizes))
     return figures
 
 
@@ -493,21 +584,26 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def restore(layout: Layout, run_dir: str, tensors: int, step_dir: str, metadata_bytes: int) -> dict:
-    """The real restore on rank 0, then on two other ranks replaying rank 0's broadcasts."""
+def restore(layout: Layout, run_dir: str, tensors: int, step_dir: str, reference_sizes: dict[str, int]) -> dict:
+    """The real restore on rank 0, then on two other ranks replaying rank 0's broadcasts and
+    scatters. Its index exchange (``CheckedMetadata.read_own``) is over this process's tiny
+    state: timed apart and left out of rank 0's time, its answer left out of the bytes each
+    rank receives (the reference layout's index figures are ``index_figures``')."""
     log = open_log()
     synth = Synthesizer(layout, run_dir)
     comm0 = SimComm(layout.ranks, synth)
     with log.watching(run_dir + os.sep) as opened0:
         t0 = build_trainer(layout, run_dir, comm0, tensors)
-        started = time.perf_counter()
-        t0.coord.restore()
-        restore_s = time.perf_counter() - started - comm0.excluded_s
+        exchange: list[float] = []
+        with timing_own(t0.adapter._metadata, "read_own", comm0, exchange):
+            started = time.perf_counter()
+            t0.coord.restore()
+            restore_s = time.perf_counter() - started - comm0.excluded_s
         t0.coord.close()
     reads = {0: list(opened0)}
     traffic = {}
-    # The .metadata on disk is rank 0's tiny one: where a broadcast carries it, the reference
-    # layout's is counted instead.
+    # No broadcast carries DCP's metadata any more (the index is scattered, each rank its own
+    # entries): counted to show it.
     with open(os.path.join(step_dir, ".metadata"), "rb") as f:
         tiny = f.read()
     carried = sum(_carries(obj, tiny) for obj in comm0.record)
@@ -519,13 +615,40 @@ def restore(layout: Layout, run_dir: str, tensors: int, step_dir: str, metadata_
             t.coord.restore()
             t.coord.close()
         reads[r] = [_generic(p, r) for p in opened]
-        traffic[r] = comm.traffic.other_max
-    return readers_and_bytes(layout, step_dir, run_dir, reads, others, metadata_bytes) | {
-        "rank0_restore_s": restore_s,
-        "restore_bytes_received_per_rank": max(traffic.values(), default=0)
-        + carried * (metadata_bytes - len(tiny)),
+        answers = sum(size for share, size in comm.scattered if _is_index_answer(share))
+        traffic[r] = comm.traffic.other_max - answers
+    return readers_and_bytes(layout, step_dir, run_dir, reads, others, reference_sizes) | {
+        "rank0_restore_s": restore_s - sum(exchange),
+        "rank0_restore_index_sim_s": sum(exchange),
+        "restore_control_bytes_received_per_rank": max(traffic.values(), default=0),
         "restore_broadcasts_of_metadata": carried,
     }
+
+
+@contextlib.contextmanager
+def timing_own(obj: Any, name: str, comm: SimComm, into: list[float]) -> Any:
+    """``timing`` less the other ranks' work (``comm.excluded_s``) done inside each call: that
+    is subtracted from the whole already."""
+    original = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started, excluded = time.perf_counter(), comm.excluded_s
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - started - (comm.excluded_s - excluded))
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            delattr(obj, name)
+
+
+def _is_index_answer(share: Any) -> bool:
+    """A scatter's share that is a rank's index answer (``("ok", sub-index bytes)``)."""
+    return isinstance(share, tuple) and len(share) == 2 and share[0] == "ok" \
+        and isinstance(share[1], bytes) and share[1].startswith(MAGIC)
 
 
 def _carries(obj: Any, data: bytes) -> int:
@@ -540,9 +663,10 @@ def _carries(obj: Any, data: bytes) -> int:
 
 
 def readers_and_bytes(layout: Layout, step_dir: str, run_dir: str, reads: dict[int, list[str]],
-                      others: list[int], metadata_bytes: int) -> dict:
+                      others: list[int], reference_sizes: dict[str, int]) -> dict:
     """Ranks reading each file at restore, and bytes read from shared storage (every open reads
-    the whole file; shards apart: bulk I/O)."""
+    the whole file; shards apart: bulk I/O). ``reference_sizes``: the reference layout's size of
+    the step's files named there (``.metadata``, the index), in place of this process's tiny ones."""
     readers: dict[str, int] = {}
     opens: dict[str, int] = {}
 
@@ -562,11 +686,12 @@ def readers_and_bytes(layout: Layout, step_dir: str, run_dir: str, reads: dict[i
                     add(p.replace("<r>", str(r) if "distcp" in p else f"{r:05d}"), 1, count)
             else:  # read by every other rank when both replayed ranks read it, else by one
                 add(p, layout.ranks - 1 if p in common else 1, count)
-    metadata_rel = os.path.relpath(os.path.join(step_dir, ".metadata"), run_dir)
+    at_reference = {os.path.relpath(os.path.join(step_dir, name), run_dir): size
+                    for name, size in reference_sizes.items()}
 
     def size(p: str) -> int:
-        if p == metadata_rel:
-            return metadata_bytes
+        if p in at_reference:
+            return at_reference[p]
         full = os.path.join(run_dir, p)
         return os.path.getsize(full) if os.path.exists(full) else 0
 
@@ -589,7 +714,18 @@ def _generic_name(path: str) -> str:
     return re.sub(r"step-\d+", "step-N", path)
 
 
-# -- DCP: global planning and .metadata for the reference layout's shards -----------------------
+# -- DCP: global planning, .metadata and the index for the reference layout's shards -------------
+
+KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
+"""Each parameter's optimizer states (Megatron-Core's distributed optimizer: flat, sharded over DP)."""
+
+
+def stage_names(pp: int, per_rank: int) -> list[str]:
+    """The ``per_rank`` parameters of pipeline stage ``pp``, named like Megatron's."""
+    layer0 = pp * (per_rank // len(LAYER_TENSORS) + 1)
+    return [f"decoder.layers.{layer0 + j // len(LAYER_TENSORS)}.{LAYER_TENSORS[j % len(LAYER_TENSORS)]}"
+            for j in range(per_rank)]
+
 
 def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
     """Every rank's local save plan: model tensors TP-sharded (the same items on every DP
@@ -604,9 +740,7 @@ def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
     opt_size, opt_chunk = torch.Size([layout.tp * flat]), torch.Size([shard])
     plans = [None] * layout.ranks
     for pp in range(layout.pp):
-        layer0 = pp * (per_rank // len(LAYER_TENSORS) + 1)
-        names = [f"decoder.layers.{layer0 + j // len(LAYER_TENSORS)}.{LAYER_TENSORS[j % len(LAYER_TENSORS)]}"
-                 for j in range(per_rank)]
+        names = stage_names(pp, per_rank)
         for tp in range(layout.tp):
             offset = torch.Size([tp * ROWS, 0])
             model = [WriteItem(index=MetadataIndex(f"model.{n}", offset), type=WriteItemType.SHARD,
@@ -618,7 +752,7 @@ def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
                 chunk = ChunkStorageMetadata(offset, opt_chunk)
                 data = TensorWriteData(chunk=chunk, properties=f32, size=opt_size)
                 for n in names:
-                    for kind in ("fp32_param", "exp_avg", "exp_avg_sq"):
+                    for kind in KINDS:
                         items.append(WriteItem(index=MetadataIndex(f"optimizer.state.{kind}.{n}", offset),
                                                type=WriteItemType.SHARD, tensor_data=data))
                 rank = tp + layout.tp * (dp + layout.dp * pp)
@@ -626,10 +760,104 @@ def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
     return plans  # type: ignore[return-value]
 
 
+def held(global_size: torch.Size, chunk: ChunkStorageMetadata) -> torch.Tensor:
+    """A tensor a rank holds, as DCP's load planner asks of it: its global size (a CPU tensor
+    of no memory, every stride 0) and its chunk (what a DTensor answers; its own computation of
+    the chunk is left out, the same whichever Metadata the load plans from)."""
+    tensor = torch.empty((), dtype=torch.bfloat16).expand(global_size)
+    tensor.__create_chunk_list__ = lambda: [chunk]
+    return tensor
+
+
+class Holdings:
+    """What each rank of the reference layout holds at a restore on the same layout: exactly the
+    chunks it wrote (``local_plans``, in their order; model chunks on every DP replica).
+    ``arrays(rank)`` is what ``requests_for`` makes of that state (``requests_agree`` checks
+    it), built with numpy: every rank's at 5,120 ranks in a second or two."""
+
+    def __init__(self, layout: Layout, tensors: int) -> None:
+        self.layout = layout
+        self.per_rank = p = max(1, tensors // 4)
+        self.flat = ROWS * COLS
+        self.shard = self.flat // layout.dp
+        self.ndim = np.array([2] * p + [1] * (len(KINDS) * p), np.int64)
+        self.coords_at = np.concatenate([np.arange(p) * 4, 4 * p + np.arange(len(KINDS) * p) * 2]).astype(np.int64)
+        self._stages: dict[int, tuple[list[str], np.ndarray]] = {}
+
+    def where(self, rank: int) -> tuple[int, int, int]:
+        """(tp, dp, pp) of ``rank`` (TP fastest, then DP, then PP, as ``local_plans`` numbers them)."""
+        lay = self.layout
+        return rank % lay.tp, (rank // lay.tp) % lay.dp, rank // (lay.tp * lay.dp)
+
+    def names(self, pp: int) -> tuple[list[str], np.ndarray]:
+        """The keys a rank of stage ``pp`` holds, in its plan's order, and their hashes."""
+        if pp not in self._stages:
+            params = stage_names(pp, self.per_rank)
+            names = [f"model.{n}" for n in params] + [f"optimizer.state.{k}.{n}" for n in params for k in KINDS]
+            self._stages[pp] = (names, np.array([key_hash(n) for n in names], np.int64))
+        return self._stages[pp]
+
+    def arrays(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(key hashes, ndims, coords starts, coords): ``Requests``' arrays."""
+        tp, dp, pp = self.where(rank)
+        p = self.per_rank
+        model = np.tile(np.array([tp * ROWS, 0, ROWS, COLS], np.int64), p)
+        optimizer = np.tile(np.array([tp * self.flat + dp * self.shard, self.shard], np.int64), len(KINDS) * p)
+        return self.names(pp)[1], self.ndim, self.coords_at, np.concatenate([model, optimizer])
+
+    def wire(self, rank: int) -> tuple[bytes, bytes, bytes, bytes]:
+        return tuple(a.tobytes() for a in self.arrays(rank))  # type: ignore[return-value]
+
+    def requests(self, rank: int) -> Requests:
+        return Requests(list(self.names(self.where(rank)[2])[0]), *self.arrays(rank))
+
+    def state(self, rank: int) -> dict[str, torch.Tensor]:
+        """The rank's state dict as DCP's load planner sees it (``held``)."""
+        tp, dp, pp = self.where(rank)
+        model = held(torch.Size([self.layout.tp * ROWS, COLS]),
+                     ChunkStorageMetadata(torch.Size([tp * ROWS, 0]), torch.Size([ROWS, COLS])))
+        optimizer = held(torch.Size([self.layout.tp * self.flat]),
+                         ChunkStorageMetadata(torch.Size([tp * self.flat + dp * self.shard]), torch.Size([self.shard])))
+        return {name: model if i < self.per_rank else optimizer for i, name in enumerate(self.names(pp)[0])}
+
+
+def requests_agree(holdings: Holdings, plans: list[SavePlan], ranks: list[int]) -> list[int]:
+    """The ranks of ``ranks`` whose ``Holdings`` requests differ from what ``requests_for`` makes
+    of a state holding exactly the chunks of their local plan (meta tensors that report their
+    chunk as a DTensor does)."""
+    wrong = []
+    for rank in ranks:
+        state = {}
+        for item in plans[rank].items:
+            tensor = torch.empty(item.tensor_data.size, device="meta")
+            tensor.__create_chunk_list__ = lambda c=item.tensor_data.chunk: [c]
+            state[item.index.fqn] = tensor
+        real, ours = requests_for(state), holdings.requests(rank)
+        if real.names != ours.names or real.wire() != ours.wire():
+            wrong.append(rank)
+    return wrong
+
+
+def plan_load(state: dict[str, torch.Tensor], metadata: Metadata) -> tuple[float, int]:
+    """(seconds, read items) of one rank's DCP load planning from ``metadata``, as
+    ``dcp.load(no_dist=True)`` makes it with the adapter's planner: set up, local plan, the
+    global plan of that one plan, the final plan (the reader's own steps are no-ops)."""
+    planner = SafeLoadPlanner()
+    started = time.perf_counter()
+    planner.set_up_planner(dict(state), metadata, True)
+    plan = planner.create_local_plan()
+    final = planner.finish_plan(planner.create_global_plan([plan])[0])
+    return time.perf_counter() - started, len(final.items)
+
+
 def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     started = time.perf_counter()
     plans = local_plans(layout, tensors)
     build_s = time.perf_counter() - started
+    checked = sorted({0, 1, layout.ranks - 1} & set(range(layout.ranks)))
+    wrong = requests_agree(Holdings(layout, tensors), plans, checked)
+    if wrong:
+        raise RuntimeError(f"index requests of ranks {wrong}: expected what requests_for makes of their state")
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
     # The planner NativeTorchAdapter saves with (adapters/dcp/plan_cache.py): DCP's caching,
     # reused only for plans equal in every field.
@@ -648,7 +876,13 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
                        for r in sorted({0, layout.ranks - 1}))
     cached_bytes = len(pickle.dumps(delta[-1], protocol=pickle.HIGHEST_PROTOCOL))
     items = sum(len(p.items) for p in global_plan)
-    metadata_path, shard_sizes = write_metadata(layout, root, global_plan, metadata)
+    written = write_metadata(layout, root, global_plan, metadata)
+    # DCP ends a save by broadcasting what the planner handed it (``_DistWrapper.all_reduce``):
+    # a KeptMetadata, which pickles to a MetadataSummary.
+    final = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    if type(pickle.loads(final)) is not MetadataSummary:
+        raise RuntimeError(f"the planner's Metadata pickles to {len(final)} bytes, not to a MetadataSummary: "
+                           "DCP's end-of-save broadcast carries it whole")
     del plans, global_plan, delta, metadata, planner
     forget(key)
     gc.collect()
@@ -660,14 +894,15 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
         "dcp_local_plan_bytes": local_bytes,
         "dcp_plan_bytes_per_rank": global_bytes,
         "dcp_plan_bytes_per_rank_cached": cached_bytes,
-        "metadata_path": metadata_path,
-        "shard_sizes": shard_sizes,
+        "dcp_final_broadcast_bytes": len(final),
+        **written,
     }
 
 
-def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metadata: Any) -> tuple[str, dict]:
-    """``.metadata`` as DCP's own ``FileSystemWriter.finish`` writes it, from write results
-    shaped like each rank's (one file per rank, items back to back)."""
+def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metadata: Any) -> dict:
+    """``.metadata`` and the index, as the adapter's writer (``StepWriter.finish``) writes them
+    on rank 0 at every save, from write results shaped like each rank's (one file per rank,
+    items back to back): each timed, and where they are."""
     step_dir = f"dcp-{layout.ranks}"
     storage = open_storage(root)
     storage.makedirs(step_dir)
@@ -682,19 +917,95 @@ def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metad
         results.append(out)
         sizes[name] = offset
     writer = make_writer(storage, step_dir, durable=False)
-    writer.finish(metadata, results)
-    return os.path.join(root, step_dir, ".metadata"), sizes
+    metadata_s: list[float] = []
+    index_s: list[float] = []
+    with timing(writer, "_write_metadata", metadata_s), timing(writer, "_write_index", index_s):
+        writer.finish(metadata, results)
+    index_path = os.path.join(root, step_dir, INDEX_FILE)
+    if not (metadata_s and index_s and os.path.exists(index_path)):
+        raise RuntimeError(f"{index_path}: expected the writer to write .metadata and the index")
+    return {"metadata_write_s": metadata_s[0], "index_write_s": index_s[0], "index_bytes": os.path.getsize(index_path),
+            "metadata_path": os.path.join(root, step_dir, ".metadata"), "index_path": index_path,
+            "shard_sizes": sizes}
 
 
-def metadata_figures(path: str, sizes: dict, cap_mb: float, rate: list[float]) -> dict:
+def index_figures(layout: Layout, tensors: int, path: str, file_sizes: dict[str, int]) -> tuple[dict, Callable]:
+    """Rank 0's handling of the index at a restore (read, ``CheckpointIndex.parse``, ``select``
+    for every rank's requests), one other rank's (``partial_metadata`` of its answer, the
+    largest) and its DCP load planning; and a function timing that rank's load planning
+    from another Metadata (the whole one: ``metadata_figures``)."""
+    holdings = Holdings(layout, tensors)
+    wires = [holdings.wire(r) for r in range(layout.ranks)]  # the other ranks' work: not timed
+    hashed = {name for name in file_sizes if name.endswith(".distcp")}  # verify_while_loading's
+    gc.collect()
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        data = f.read()
+    read_s = time.perf_counter() - started
+    started = time.perf_counter()
+    index = CheckpointIndex.parse(data, source=path, file_sizes=file_sizes, compression=None)
+    parse_s = time.perf_counter() - started
+    started = time.perf_counter()
+    answers = select(index, wires, hashed)
+    select_s = time.perf_counter() - started
+    del index, data
+    # What torch's gather_object and scatter_object_list make rank 0 do besides: unpickle every
+    # rank's request, pickle every rank's answer.
+    received = [pickle.dumps(("ok", w), protocol=pickle.HIGHEST_PROTOCOL) for w in wires]
+    started = time.perf_counter()
+    for blob in received:
+        pickle.loads(blob)
+    sent = [len(pickle.dumps(("ok", a), protocol=pickle.HIGHEST_PROTOCOL)) for a in answers]
+    comm_s = time.perf_counter() - started
+    rank = max(range(1, layout.ranks), key=lambda r: len(answers[r])) if layout.ranks > 1 else 0
+    requests = holdings.requests(rank)
+    started = time.perf_counter()
+    metadata, _ = partial_metadata(answers[rank], requests, source=path)
+    other_s = time.perf_counter() - started
+    state = holdings.state(rank)
+    plan_s, items = plan_load(state, metadata)
+    if items != len(requests.names):  # same layout: one read item per chunk held
+        raise RuntimeError(f"rank {rank}'s load plan from its own entries: expected {len(requests.names)} "
+                           f"read items, actual {items}")
+
+    def plan_full(full: Metadata) -> float:
+        seconds, n = plan_load(state, full)
+        if n != items:
+            raise RuntimeError(f"rank {rank}'s load plan from the whole Metadata: expected {items} read items, "
+                               f"actual {n}")
+        return seconds
+
+    return {
+        "index_read_s": read_s,
+        "index_parse_s": parse_s,
+        "index_select_s": select_s,
+        "index_rank0_s": read_s + parse_s + select_s,
+        "index_rank0_comm_s": comm_s,
+        "index_requests_bytes_rank0": sum(map(len, received[1:])),
+        "index_other_rank": rank,
+        "index_other_rank_s": other_s,
+        "index_bytes_per_rank": len(answers[rank]),
+        "index_bytes_per_rank_min": min(map(len, answers)),
+        "index_scatter_bytes_per_rank": max(sent[1:], default=sent[0]),
+        "load_plan_s": plan_s,
+    }, plan_full
+
+
+def metadata_figures(path: str, sizes: dict, cap_mb: float, rate: list[float],
+                     plan_full: Callable[[Metadata], float]) -> dict:
+    """``.metadata``: what a restore of a checkpoint written before the index costs (vetted by
+    rank 0, pickled to be sent, unpickled by every other rank), and one rank's DCP load planning
+    from the whole of it, as plain ``dcp.load`` plans on every rank."""
     with open(path, "rb") as f:
         data = f.read()
     loaded: list[Any] = []
     plain_s = _time(lambda: loaded.append(pickle.loads(data)))
     # What a restore's broadcast of the vetted object costs rank 0 (torch pickles it to send).
     pickle_s = _time(lambda: pickle.dumps(loaded[0]))
+    out = {"metadata_bytes": len(data), "metadata_plain_unpickle_s": plain_s, "metadata_pickle_s": pickle_s,
+           "load_plan_full_metadata_s": plan_full(loaded[0])}
     loaded.clear()
-    out = {"metadata_bytes": len(data), "metadata_plain_unpickle_s": plain_s, "metadata_pickle_s": pickle_s}
+    gc.collect()
     if len(data) <= cap_mb * (1 << 20):
         out["metadata_unpickle_s"] = _time(lambda: restricted_load_metadata(
             data, source=path, file_sizes={**sizes, ".metadata": len(data)}))
@@ -714,16 +1025,30 @@ def measure(ranks: int, root: str, args: argparse.Namespace, rate: list[float]) 
     layout = Layout.of(ranks)
     started = time.perf_counter()
     dcp = dcp_figures(layout, args.tensors_per_rank, root)
-    meta = metadata_figures(dcp.pop("metadata_path"), dcp.pop("shard_sizes"), args.unpickle_cap_mb, rate)
+    paths = {name: dcp.pop(name) for name in ("metadata_path", "index_path")}
+    file_sizes = {**dcp.pop("shard_sizes"), ".metadata": os.path.getsize(paths["metadata_path"]),
+                  INDEX_FILE: dcp["index_bytes"]}
+    index, plan_full = index_figures(layout, args.tensors_per_rank, paths["index_path"], file_sizes)
     gc.collect()
-    figures = control_plane(layout, root, args.tensors_per_rank, args.saves, meta["metadata_bytes"])
+    meta = metadata_figures(paths["metadata_path"], file_sizes, args.unpickle_cap_mb, rate, plan_full)
+    shutil.rmtree(os.path.dirname(paths["index_path"]), ignore_errors=True)
+    gc.collect()
+    figures = control_plane(layout, root, args.tensors_per_rank, args.saves,
+                            {".metadata": meta["metadata_bytes"], INDEX_FILE: dcp["index_bytes"]})
     shutil.rmtree(os.path.join(root, f"run-{ranks}"), ignore_errors=True)
     figures.update(meta)
+    figures.update(index)
     figures.update(dcp)
     # DCP's own save sends every rank its global plan (an empty one when cached) and, at the
-    # end, the whole Metadata (``_DistWrapper.all_reduce``: gather, then broadcast).
-    figures["dcp_bytes_per_rank_per_save"] = dcp["dcp_plan_bytes_per_rank"] + meta["metadata_bytes"]
-    figures["dcp_bytes_per_rank_per_save_cached"] = dcp["dcp_plan_bytes_per_rank_cached"] + meta["metadata_bytes"]
+    # end, what the planner's Metadata pickles to (``_DistWrapper.all_reduce``: gather, then
+    # broadcast): a MetadataSummary, not the index.
+    figures["dcp_bytes_per_rank_per_save"] = dcp["dcp_plan_bytes_per_rank"] + dcp["dcp_final_broadcast_bytes"]
+    figures["dcp_bytes_per_rank_per_save_cached"] = (dcp["dcp_plan_bytes_per_rank_cached"]
+                                                     + dcp["dcp_final_broadcast_bytes"])
+    # A restore: the control plane's collectives and the rank's own index answer (a scatter);
+    # DCP's load sends nothing (no_dist).
+    figures["restore_bytes_received_per_rank"] = (figures["restore_control_bytes_received_per_rank"]
+                                                  + index["index_scatter_bytes_per_rank"])
     figures["elapsed_s"] = time.perf_counter() - started
     return figures
 
@@ -731,7 +1056,9 @@ def measure(ranks: int, root: str, args: argparse.Namespace, rate: list[float]) 
 GROWTH_KEYS = ("bytes_per_rank_per_save", "rank0_bytes_per_save", "rank0_save_s", "manifest_bytes",
                "manifest_parse_s", "metadata_bytes", "metadata_unpickle_s", "restore_bytes_read",
                "busiest_file_bytes", "max_readers_per_file", "dcp_plan_s", "dcp_plan_cached_s",
-               "restore_bytes_received_per_rank", "dcp_bytes_per_rank_per_save")
+               "restore_bytes_received_per_rank", "dcp_bytes_per_rank_per_save",
+               "dcp_bytes_per_rank_per_save_cached", "index_bytes", "index_write_s", "index_rank0_s",
+               "index_other_rank_s", "index_bytes_per_rank", "load_plan_s", "load_plan_full_metadata_s")
 
 
 def growth(results: dict[str, dict]) -> dict:
@@ -765,21 +1092,34 @@ ROWS_PRINTED = [
     ("manifest size", "manifest_bytes", _si),
     ("manifest parse (s)", "manifest_parse_s", lambda v: f"{v:.3f}"),
     ("discovery, Run.find_latest (s)", "find_latest_s", lambda v: f"{v:.3f}"),
+    ("index size", "index_bytes", _si),
+    ("index written by rank 0 at each save (s)", "index_write_s", lambda v: f"{v:.2f}"),
+    (".metadata written by rank 0 at each save (s)", "metadata_write_s", lambda v: f"{v:.2f}"),
+    ("restore: rank 0 reads, parses, selects the index (s)", "index_rank0_s", lambda v: f"{v:.2f}"),
+    ("  of which read / parse / select (s)", ("index_read_s", "index_parse_s", "index_select_s"),
+     lambda v: " / ".join(f"{x:.2f}" for x in v)),
+    ("restore: rank 0 unpickles requests, pickles answers (s)", "index_rank0_comm_s", lambda v: f"{v:.2f}"),
+    ("restore: another rank builds its Metadata (s)", "index_other_rank_s", lambda v: f"{v:.3f}"),
+    ("restore: index answer per rank, largest", "index_bytes_per_rank", _si),
+    ("restore: requests rank 0 receives", "index_requests_bytes_rank0", _si),
+    ("restore: DCP load planning, own entries (s)", "load_plan_s", lambda v: f"{v:.3f}"),
+    ("restore: DCP load planning, whole Metadata (s)", "load_plan_full_metadata_s", lambda v: f"{v:.2f}"),
     (".metadata size", "metadata_bytes", _si),
-    (".metadata restricted unpickle (s)", "metadata_unpickle_s", lambda v: "n/a" if v is None else f"{v:.2f}"),
+    ("before the index: .metadata restricted unpickle (s)", "metadata_unpickle_s",
+     lambda v: "n/a" if v is None else f"{v:.2f}"),
     ("  measured or extrapolated", "metadata_unpickle", str),
-    (".metadata plain pickle.loads (s)", "metadata_plain_unpickle_s", lambda v: f"{v:.2f}"),
-    (".metadata pickled again, rank 0 at restore (s)", "metadata_pickle_s", lambda v: f"{v:.2f}"),
+    ("before the index: .metadata plain pickle.loads (s)", "metadata_plain_unpickle_s", lambda v: f"{v:.2f}"),
+    ("before the index: .metadata pickled again by rank 0 (s)", "metadata_pickle_s", lambda v: f"{v:.2f}"),
     ("restore: bytes read from shared storage (no shards)", "restore_bytes_read", _si),
     ("restore: busiest file", "busiest_file", str),
     ("restore: bytes read from the busiest file", "busiest_file_bytes", _si),
     ("restore: max readers per file", "max_readers_per_file", str),
-    ("restore: bytes received per rank (collectives)", "restore_bytes_received_per_rank", _si),
-    ("rank 0 restore time, no shard I/O to speak of (s)", "rank0_restore_s", lambda v: f"{v:.2f}"),
+    ("restore: bytes received per rank (collectives + index answer)", "restore_bytes_received_per_rank", _si),
+    ("rank 0 restore time, no shard I/O, no index (s)", "rank0_restore_s", lambda v: f"{v:.2f}"),
     ("DCP global plan, no cache (s)", "dcp_plan_s", lambda v: f"{v:.2f}"),
     ("DCP global plan, cached (s)", "dcp_plan_cached_s", lambda v: f"{v:.4f}"),
     ("DCP items written (after de-dup)", "dcp_items_written", str),
-    ("DCP bytes per rank per save (plan + metadata)", "dcp_bytes_per_rank_per_save", _si),
+    ("DCP bytes per rank per save (plan + final broadcast)", "dcp_bytes_per_rank_per_save", _si),
     ("DCP bytes per rank per save, cached plan", "dcp_bytes_per_rank_per_save_cached", _si),
 ]
 
@@ -791,7 +1131,12 @@ def print_table(results: dict[str, dict]) -> None:
     for label, key, fmt in ROWS_PRINTED:
         cells = []
         for k in keys:
-            v = results[k][key[0]][key[1]] if isinstance(key, tuple) else results[k].get(key)
+            if isinstance(key, tuple) and key[0] in results[k] and isinstance(results[k][key[0]], dict):
+                v = results[k][key[0]][key[1]]
+            elif isinstance(key, tuple):
+                v = tuple(results[k][part] for part in key)
+            else:
+                v = results[k].get(key)
             cells.append(fmt(v))
         print(f"| {label} | " + " | ".join(cells) + " |")
 

@@ -7,9 +7,13 @@ fp32 master weights and AdamW moments in a distributed optimizer) cannot run her
 (what cannot be measured here, with its reasoning; ``Inputs`` are the ones ``resume simulate``
 takes as options) or ``computed`` (arithmetic over both, the formula in the source).
 
-The model must stay true to the code: the save modelled is the ``Coordinator``'s over DCP; an
-asynchronous save blocks the loop for rank 0's gather and the staging copy only, a synchronous
-one for all of it; a restore checksums every file before loading it, so shards are read twice.
+The model must stay true to the code: the save modelled is the ``Coordinator``'s over DCP, rank 0
+writing ``.metadata`` and the index (``index.resume``) before the commit; an asynchronous save
+blocks the loop for rank 0's gather and the staging copy only, a synchronous one for all of it. A
+restore reads the index on rank 0 and sends each rank its own entries; each rank plans its load
+from them, and the load checks the shards' checksums from the bytes it reads, so every byte is
+read once. The ``.metadata`` path (vetted by rank 0 and sent to every rank) is for checkpoints
+written before the index and is shown apart.
 ``resume simulate --reference`` prints the table; docs/performance.md and runbooks/slurm.md
 carry it, and tests/test_reference_figures.py checks that they match.
 """
@@ -71,7 +75,7 @@ def _number(value: float) -> str:
 
 # -- measured: update these after a new run of benchmarks/scale.py ------------------------------
 
-MEASURED_BY = ("python benchmarks/scale.py --json (2-core VM, torch 2.13.0+cpu), "
+MEASURED_BY = ("python benchmarks/scale.py --ranks 64,640,5120 --json (2-core VM, torch 2.13.0+cpu), "
                "at 5,120 ranks")
 
 
@@ -85,36 +89,62 @@ class Measured:
     save_gather_s: float
     """Of it, the gathers and the assembly of every rank's part, and the rest that is neither
     the manifest write nor retention (rank0_save_parts_s.gather_and_rest)."""
+    save_received_bytes: float
+    """Bytes each rank receives per save, ours and DCP's with the cached plan
+    (bytes_per_rank_per_save + dcp_bytes_per_rank_per_save_cached)."""
     manifest_parse_s: float
     """One manifest read and parsed (manifest_parse_s)."""
     discovery_s: float
     """``Run.find_latest``: the commit check of every listed file (find_latest_s)."""
     restore_control_plane_s: float
-    """Rank 0's restore without the shard I/O: discovery, manifest, checksums of its share, rank
-    state, the load of tiny shards, the continuity check (rank0_restore_s)."""
+    """Rank 0's restore without the shard I/O and without the index: discovery, manifest,
+    checksums of its share, rank state, the load of tiny shards, the continuity check
+    (rank0_restore_s)."""
     metadata_mib: float
     """DCP's ``.metadata`` for the reference layout (metadata_bytes)."""
-    metadata_unpickle_s: float
-    """Plain ``pickle.loads`` of that ``.metadata`` (metadata_plain_unpickle_s): every rank but
-    0 at restore (the object rank 0 broadcasts) and at each save (DCP's broadcast of it)."""
-    metadata_pickle_s: float
-    """``pickle.dumps`` of the loaded ``.metadata`` (metadata_pickle_s): rank 0, to broadcast it."""
-    metadata_restricted_s: float
-    """Our allow-list unpickler on that ``.metadata`` (metadata_unpickle_s, extrapolated from the
-    largest size measured in the same run at the same seconds per byte): rank 0 at restore."""
+    metadata_write_s: float
+    """Rank 0 writing ``.metadata`` at every save, as DCP does (metadata_write_s)."""
+    index_mib: float
+    """The index, ``index.resume``, for the reference layout (index_bytes)."""
+    index_write_s: float
+    """Rank 0 encoding and writing the index at every save (index_write_s)."""
+    index_rank0_s: float
+    """Rank 0 at restore: the index read, checked and each of the 5,120 ranks' entries selected
+    (index_rank0_s), and the requests unpickled and answers pickled (index_rank0_comm_s)."""
+    index_other_rank_s: float
+    """Every rank at restore, after rank 0: its DCP Metadata built from its answer, the largest
+    (index_other_rank_s)."""
     dcp_plan_s: float
     """DCP's global save plan, no plan cache (dcp_plan_s)."""
     dcp_plan_cached_s: float
     """The same with DCP's plan cache, unchanged plans (dcp_plan_cached_s)."""
-    restore_received_mib: float
-    """Bytes each rank receives at restore, mostly the ``.metadata`` broadcast
+    load_plan_s: float
+    """One rank's DCP load planning from its own entries, as ``dcp.load(no_dist=True)`` plans
+    (load_plan_s)."""
+    load_plan_full_metadata_s: float
+    """The same from the whole Metadata, as plain ``dcp.load`` plans on every rank
+    (load_plan_full_metadata_s)."""
+    restore_received_kib: float
+    """Bytes each rank receives at restore: the collectives and its index answer
     (restore_bytes_received_per_rank)."""
+    metadata_restricted_s: float
+    """Before the index: our allow-list unpickler on ``.metadata`` (metadata_unpickle_s,
+    extrapolated from the largest size measured in the same run at the same seconds per byte):
+    rank 0 at the restore of a checkpoint written before the index."""
+    metadata_pickle_s: float
+    """Before the index: ``pickle.dumps`` of the loaded ``.metadata`` (metadata_pickle_s): rank 0,
+    to send it."""
+    metadata_unpickle_s: float
+    """Before the index: plain ``pickle.loads`` of that ``.metadata`` (metadata_plain_unpickle_s):
+    every other rank, of the object rank 0 sends."""
 
 
-MEASURED = Measured(save_control_plane_s=0.584, save_gather_s=0.183, manifest_parse_s=0.041,
-                    discovery_s=0.095, restore_control_plane_s=1.52, metadata_mib=612.7,
-                    metadata_unpickle_s=21.5, metadata_pickle_s=30.8, metadata_restricted_s=223.0,
-                    dcp_plan_s=65.2, dcp_plan_cached_s=0.0005, restore_received_mib=614.0)
+MEASURED = Measured(save_control_plane_s=0.985, save_gather_s=0.374, save_received_bytes=290, manifest_parse_s=0.082,
+                    discovery_s=0.163, restore_control_plane_s=1.66, metadata_mib=612.7, metadata_write_s=40.6,
+                    index_mib=207.3, index_write_s=36.6, index_rank0_s=6.81, index_other_rank_s=0.030,
+                    dcp_plan_s=62.3, dcp_plan_cached_s=0.0003, load_plan_s=0.025, load_plan_full_metadata_s=0.26,
+                    restore_received_kib=1373.0, metadata_restricted_s=173.4, metadata_pickle_s=37.4,
+                    metadata_unpickle_s=39.8)
 
 
 # -- assumed: the inputs -------------------------------------------------------------------------
@@ -179,23 +209,27 @@ LABELS = {
     "staged_per_rank": "bytes each rank stages (asynchronous save)",
     "save_control_plane": "rank 0 control plane per save",
     "save_gather": "rank 0 gather and assembly per save",
+    "save_received": "bytes each rank receives per save (ours and DCP's, cached plan)",
     "discovery": "discovery (`Run.find_latest`)",
     "manifest_parse": "manifest parse",
-    "restore_control_plane": "rank 0 restore without shard I/O",
+    "restore_control_plane": "rank 0 restore without shard I/O and the index",
     "metadata": "DCP `.metadata` size",
-    "metadata_restricted": "`.metadata` vetted by rank 0 (allow-list unpickler)",
-    "metadata_pickle": "`.metadata` pickled by rank 0 to send it",
-    "metadata_unpickle": "`.metadata` unpickled by every other rank",
+    "metadata_write": "`.metadata` written by rank 0 at each save",
+    "index": "index (`index.resume`) size",
+    "index_write": "index written by rank 0 at each save",
+    "index_rank0": "index read, checked and answered by rank 0 at restore",
+    "index_other_rank": "each rank's own load Metadata built from its answer",
+    "restore_received": "bytes each rank receives at restore",
     "dcp_plan": "DCP global save plan, no cache",
     "dcp_plan_cached": "DCP global save plan, cached",
-    "restore_received": "bytes each rank receives at restore",
     "bulk_write": "bulk write of the shards",
     "staging": "staging copy (asynchronous save)",
     "stall_sync": "save stall, synchronous",
     "stall_async": "save stall, asynchronous",
     "async_background": "asynchronous save's background work",
-    "bulk_read": "bulk read at restore (checksums, then load)",
-    "dcp_load_plan": "DCP load planning",
+    "bulk_read": "bulk read at restore (checksums from the bytes the load reads)",
+    "dcp_load_plan": "DCP load planning, each rank",
+    "metadata_legacy": "`.metadata` at the restore of a checkpoint written before the index",
     "detect": "failure detected, step ended",
     "process_start": "processes started, model and optimizer built",
     "dist_init": "`torch.distributed` initialized",
@@ -234,26 +268,39 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     f["save_gather"] = Figure(m.save_gather_s, "s", (
         f"{by} rank0_save_parts_s.gather_and_rest (of the above: every rank's part received and "
         f"assembled, neither the manifest write nor retention)"))
+    f["save_received"] = Figure(m.save_received_bytes, "B", (
+        f"{by} bytes_per_rank_per_save + dcp_bytes_per_rank_per_save_cached (our gather's verdict; "
+        f"DCP's empty cached plan and its end-of-save broadcast, a summary of the Metadata; the same "
+        f"at 640 ranks)"))
     f["discovery"] = Figure(m.discovery_s, "s", f"{by} find_latest_s (part of the restore below)")
     f["manifest_parse"] = Figure(m.manifest_parse_s, "s", f"{by} manifest_parse_s (part of the restore below)")
     f["restore_control_plane"] = Figure(m.restore_control_plane_s, "s", (
         f"{by} rank0_restore_s (discovery, manifest, rank state, checksums and load of tiny "
-        f"shards, continuity check; .metadata at its tiny size)"))
-    f["metadata"] = Figure(m.metadata_mib, "MiB", f"{by} metadata_bytes")
-    f["metadata_restricted"] = Figure(m.metadata_restricted_s, "s", (
-        f"{by} metadata_unpickle_s (our allow-list unpickler, extrapolated from the largest size "
-        f"measured in the same run; rank 0 alone vets .metadata at a restore)"))
-    f["metadata_pickle"] = Figure(m.metadata_pickle_s, "s", (
-        f"{by} metadata_pickle_s (pickle.dumps of the object: what sending it costs rank 0)"))
-    f["metadata_unpickle"] = Figure(m.metadata_unpickle_s, "s", (
-        f"{by} metadata_plain_unpickle_s (plain pickle.loads: every other rank, of the object "
-        f"rank 0 sends at a restore and of DCP's broadcast of it at each save)"))
+        f"shards, continuity check; the index exchange apart, below)"))
+    f["metadata"] = Figure(m.metadata_mib, "MiB", (
+        f"{by} metadata_bytes (still written at every save, for dcp.load and other tools; a "
+        f"restore reads the index instead)"))
+    f["metadata_write"] = Figure(m.metadata_write_s, "s", (
+        f"{by} metadata_write_s (DCP's own write of .metadata, pickled from the whole Metadata; "
+        f"in the save, before the commit)"))
+    f["index"] = Figure(m.index_mib, "MiB", f"{by} index_bytes")
+    f["index_write"] = Figure(m.index_write_s, "s", (
+        f"{by} index_write_s (encode_index of the finished Metadata and its write; in the save, "
+        f"before the commit)"))
+    f["index_rank0"] = Figure(m.index_rank0_s, "s", (
+        f"{by} index_rank0_s + index_rank0_comm_s (read, CheckpointIndex.parse against the "
+        f"manifest's file sizes, select of each rank's entries for all {ref.world_size:,} ranks' "
+        f"requests; the requests unpickled and the answers pickled for the scatter)"))
+    f["index_other_rank"] = Figure(m.index_other_rank_s, "s", (
+        f"{by} index_other_rank_s (partial_metadata of the largest answer: every rank at once, "
+        f"after rank 0)"))
+    f["restore_received"] = Figure(m.restore_received_kib, "KiB", (
+        f"{by} restore_bytes_received_per_rank (the control plane's collectives and the rank's "
+        f"own index answer; DCP's load makes no collective; its transfer time is not counted)"))
     f["dcp_plan"] = Figure(m.dcp_plan_s, "s", (
         f"{by} dcp_plan_s (a process's first save; the adapter caches the plan for the next)"))
     f["dcp_plan_cached"] = Figure(m.dcp_plan_cached_s, "s", (
         f"{by} dcp_plan_cached_s (every later save of an unchanged state)"))
-    f["restore_received"] = Figure(m.restore_received_mib, "MiB", (
-        f"{by} restore_bytes_received_per_rank (its transfer time is not counted)"))
 
     # Phase 3, the save: what the loop waits for, synchronous and asynchronous.
     write_s = checkpoint_b / (i.fs_bandwidth_gbs * GB)
@@ -263,34 +310,43 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     staging_s = (model_shard + optimizer_shard) / (i.d2h_gbs * GB)
     f["staging"] = Figure(staging_s, "s", (
         f"computed: {f['staged_per_rank'].shown()} / {_number(i.d2h_gbs)} GB/s, every GPU at once"))
-    broadcast_s = m.metadata_pickle_s + m.metadata_unpickle_s  # DCP's broadcast of .metadata
-    sync_s = m.save_control_plane_s + m.dcp_plan_cached_s + write_s + broadcast_s
+    finish_s = m.metadata_write_s + m.index_write_s  # rank 0 in DCP's finish; every rank waits
+    sync_s = m.save_control_plane_s + m.dcp_plan_cached_s + write_s + finish_s
     f["stall_sync"] = Figure(sync_s, "s", (
         f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan, cached "
-        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + DCP's broadcast of .metadata "
-        f"(pickle {_number(m.metadata_pickle_s)} + unpickle {_number(m.metadata_unpickle_s)}) s; a "
-        f"process's first save plans uncached: + {_number(m.dcp_plan_s - m.dcp_plan_cached_s)} s"))
+        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0 writing .metadata "
+        f"{_number(m.metadata_write_s)} and the index {_number(m.index_write_s)} s (DCP's end-of-save "
+        f"broadcast carries a summary, not the Metadata); a process's first save plans uncached: "
+        f"+ {_number(m.dcp_plan_s - m.dcp_plan_cached_s)} s"))
     async_s = m.save_gather_s + staging_s
     f["stall_async"] = Figure(async_s, "s", (
         f"computed: gather and assembly {_number(m.save_gather_s)} + staging copy {_number(staging_s)} s "
         f"(an upper bound: only the expectation's gather is in the loop's way; the manifest write "
         f"and retention run in the background; Megatron-LM's own --async-save is not modelled)"))
-    background_s = m.dcp_plan_cached_s + write_s + broadcast_s + m.save_control_plane_s
+    background_s = m.dcp_plan_cached_s + write_s + finish_s + m.save_control_plane_s
     f["async_background"] = Figure(background_s, "s", (
         f"computed: DCP plan, cached {_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + "
-        f"DCP's broadcast of .metadata {_number(broadcast_s)} + control plane "
+        f"rank 0 writing .metadata and the index {_number(finish_s)} + control plane "
         f"{_number(m.save_control_plane_s)} s; the asynchronous stall holds while the checkpoint "
         f"interval is longer than this"))
 
     # Phase 4, a restart: detection, a fresh job's start, the restore.
-    read_s = 2 * checkpoint_b / (i.fs_bandwidth_gbs * GB)
+    read_s = checkpoint_b / (i.fs_bandwidth_gbs * GB)
     f["bulk_read"] = Figure(read_s, "s", (
-        f"computed: 2 x {_number(checkpoint_b / 1e12)} TB / {_number(i.fs_bandwidth_gbs)} GB/s "
-        f"(verify_on_restore reads every file for its checksum, then the load reads it; each byte "
-        f"loaded once, as Megatron's --ckpt-fully-parallel-load does, not once per replica)"))
-    f["dcp_load_plan"] = Figure(m.dcp_plan_s, "s", (
-        "assumed: the save plan's uncached time as a stand-in, not measured (the load planner "
-        "does no deduplication: likely an upper bound)"))
+        f"computed: {_number(checkpoint_b / 1e12)} TB / {_number(i.fs_bandwidth_gbs)} GB/s, each "
+        f"byte read once: the load checks each shard file's checksum from the bytes it reads (one "
+        f"rank per file, the one reading most of it), the checksum pass reads only the other files; "
+        f"each byte loaded once, as Megatron's --ckpt-fully-parallel-load does, not once per replica"))
+    f["dcp_load_plan"] = Figure(m.load_plan_s, "s", (
+        f"{by} load_plan_s (one rank's load plan from its own entries, dcp.load(no_dist=True); from "
+        f"the whole Metadata, as plain dcp.load plans, load_plan_full_metadata_s "
+        f"{_number(m.load_plan_full_metadata_s)} s)"))
+    legacy_s = m.metadata_restricted_s + m.metadata_pickle_s + m.metadata_unpickle_s
+    f["metadata_legacy"] = Figure(legacy_s, "s", (
+        f"{by} metadata_unpickle_s + metadata_pickle_s + metadata_plain_unpickle_s (vetted by rank 0 "
+        f"with our allow-list unpickler {_number(m.metadata_restricted_s)}, extrapolated from the "
+        f"largest size measured in the same run; pickled to send {_number(m.metadata_pickle_s)}; "
+        f"unpickled by every other rank {_number(m.metadata_unpickle_s)} s); not in the restart below"))
     f["detect"] = Figure(60.0, "s", (
         "assumed: a crashed process ends the step at once (srun --kill-on-bad-exit=1), a silent "
         "node after Slurm's SlurmdTimeout (300 s by default) or the collective timeout; not "
@@ -309,17 +365,17 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         "assumed: the top of the 30-60 s a requeued, eligible job waited on the loopback Slurm "
         "with the default scheduler intervals (tests/support/slurm_cluster.sh sets "
         "sched_interval=2 to avoid it)"))
-    metadata_s = m.metadata_restricted_s + m.metadata_pickle_s + m.metadata_unpickle_s
-    restore_s = m.restore_control_plane_s + metadata_s + m.dcp_plan_s + read_s
+    index_s = m.index_rank0_s + m.index_other_rank_s
+    restore_s = m.restore_control_plane_s + index_s + m.load_plan_s + read_s
     start_s = f["detect"].value + f["process_start"].value + f["dist_init"].value
     spare_s = start_s + restore_s
     f["restart_spare"] = Figure(spare_s, "s", (
         f"computed: detection {_number(f['detect'].value)} + process start "
         f"{_number(f['process_start'].value)} + torch.distributed init {_number(f['dist_init'].value)} "
-        f"+ restore control plane {_number(m.restore_control_plane_s)} + .metadata vetted by rank 0, "
-        f"sent and loaded ({_number(m.metadata_restricted_s)} + {_number(m.metadata_pickle_s)} + "
-        f"{_number(m.metadata_unpickle_s)}) + DCP load planning {_number(m.dcp_plan_s)} + bulk read "
-        f"{_number(read_s)} s (the hook relaunches inside the allocation: no requeue)"))
+        f"+ restore control plane {_number(m.restore_control_plane_s)} + the index answered by rank 0 "
+        f"{_number(m.index_rank0_s)}, each rank's Metadata built {_number(m.index_other_rank_s)} + DCP "
+        f"load planning {_number(m.load_plan_s)} + bulk read {_number(read_s)} s (the hook relaunches "
+        f"inside the allocation: no requeue)"))
     slurm_s = f["requeue_hold"].value + f["scheduling"].value + i.queue_wait_s
     f["restart_requeue"] = Figure(spare_s + slurm_s, "s", (
         f"computed: requeue hold {_number(f['requeue_hold'].value)} + scheduling pass "

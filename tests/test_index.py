@@ -367,3 +367,48 @@ def test_a_checkpoint_written_before_the_index_restores_from_metadata(run_copy):
     edit_manifest(step4(run_copy), lambda body: body)  # still a valid manifest after the edit
     outcome = restore_in_subprocess(run_copy)
     assert outcome.get("restored_from") == 4, outcome
+
+
+def small_job(run: str, width: int):
+    from resume.adapters.data import GlobalPositionSampler, StatefulLoader
+    from resume.adapters.torch_native import NativeTorchAdapter
+
+    from resume import Coordinator
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": torch.full((4,), float(i))}
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = StatefulLoader(Samples(), GlobalPositionSampler(64, 4, rank=0, world_size=1))
+    coord = Coordinator(run, NativeTorchAdapter(model, optim, None, loader), global_batch=4, every=2,
+                        handle_signals=False)
+    return coord, model, optim
+
+
+def test_another_model_shape_is_refused_as_before_and_no_checkpoint_is_moved_aside(tmp_path):
+    """A wider layer than saved is the program's change, not damage: the load names the sizes,
+    and no checkpoint is passed over or moved aside for it."""
+    run = str(tmp_path / "run")
+    coord, model, optim = small_job(run, 8)
+    coord.restore()
+    for batch in coord.batches():
+        model(batch["x"]).sum().backward()
+        optim.step()
+        optim.zero_grad()
+        coord.update()
+        if coord.state.updates_successful == 4:
+            break
+    coord.close()
+    coord, _, _ = small_job(run, 16)
+    with pytest.raises(Exception, match="(?i)size") as raised:
+        coord.restore()
+    assert type(raised.value).__name__ != "DamagedShardsError"
+    coord.close()
+    assert sorted(n for n in os.listdir(run) if n.startswith(("step-", "quarantine"))) == \
+        ["step-000000002", "step-000000004"]

@@ -116,7 +116,8 @@ class _HashingSink(io.RawIOBase):
         if end > start:
             fd = self.raw.fileno()
             _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WAIT)
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):  # a file system without it keeps the pages
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
             self._dropped_to = end
 
     def tell(self) -> int:

@@ -78,17 +78,61 @@ def key_hash(name: str) -> int:
 def encode_index(metadata: Metadata) -> bytes:
     """``metadata`` (DCP's, after ``finish`` filled ``storage_data``) as the index. ValueError for
     what the format cannot say (an unknown dtype, layout or memory format): the save then
-    writes no index and a restore reads ``.metadata`` as before."""
-    keys, files, dtypes = list(metadata.state_dict_metadata), {}, {}
-    key_rows, dims, chunk_rows, coords = [], [], [], []
+    writes no index and a restore reads ``.metadata`` as before.
+
+    What depends on the plan alone (names, shapes, chunks, which storage entry each chunk is) is
+    kept for the next save of the same plan (DCP's plan cache hands back the same objects): a
+    later save only reads each entry's file, offset and length."""
+    tables = _plan_tables(metadata)
     storage = metadata.storage_data
-    for name in keys:
-        entry = metadata.state_dict_metadata[name]
+    files: dict[str, int] = {}
+    file_of = [files.setdefault(info.relative_path, len(files)) for info in storage.values()]
+    columns = np.empty((len(storage), 4), np.int64)
+    if len(storage):
+        columns[:, 0] = file_of
+        columns[:, 1] = np.fromiter((info.offset for info in storage.values()), np.int64, len(storage))
+        columns[:, 2] = np.fromiter((info.length for info in storage.values()), np.int64, len(storage))
+        columns[:, 3] = np.fromiter((_transform(info) for info in storage.values()), np.int64, len(storage))
+    chunks = tables.chunks.copy()
+    chunks[:, 1:] = columns[tables.position] if len(chunks) else chunks[:, 1:]
+    header = {"keys": tables.names, "files": list(files), "dtypes": tables.dtypes, "dcp_version": metadata.version}
+    return _pack(header, {"keys": tables.keys, "dims": tables.dims, "chunks": chunks, "coords": tables.coords})
+
+
+@dataclass
+class _PlanTables:
+    plan: Any
+    """The ``state_dict_metadata`` these were made from (held: its identity is the cache key)."""
+    order: list
+    """``storage_data``'s keys in the order they came (the same objects from a cached plan)."""
+    names: list[str]
+    dtypes: list[str]
+    keys: np.ndarray
+    dims: np.ndarray
+    chunks: np.ndarray
+    """coords start, then placeholders for the storage columns."""
+    coords: np.ndarray
+    position: np.ndarray
+    """For each chunk row, its entry's position in ``storage_data``."""
+
+
+_LAST_PLAN: list[_PlanTables] = []
+
+
+def _plan_tables(metadata: Metadata) -> _PlanTables:
+    plan, storage = metadata.state_dict_metadata, metadata.storage_data
+    if _LAST_PLAN:
+        last = _LAST_PLAN[0]
+        if last.plan is plan and len(last.order) == len(storage) and \
+                all(a is b for a, b in zip(last.order, storage)):
+            return last
+    position = {(index.fqn, index.offset): i for i, index in enumerate(storage)}
+    dtypes: dict[str, int] = {}
+    key_rows, dims, chunk_rows, coords = [], [], [], []
+    for name, entry in plan.items():
         if isinstance(entry, BytesStorageMetadata):
-            info = storage[MetadataIndex(name)]
             key_rows.append((1, -1, 0, len(dims), len(chunk_rows), 1, 0))
-            chunk_rows.append((-1, files.setdefault(info.relative_path, len(files)), info.offset, info.length,
-                               _transform(info)))
+            chunk_rows.append((-1, position[(name, None)]))
             continue
         props = entry.properties
         dtype = dtypes.setdefault(_dtype_name(props), len(dtypes))
@@ -96,13 +140,16 @@ def encode_index(metadata: Metadata) -> bytes:
         key_rows.append((0, dtype, len(entry.size), len(dims), len(chunk_rows), len(entry.chunks), flags))
         dims.extend(entry.size)
         for chunk in entry.chunks:
-            info = storage[MetadataIndex(name, chunk.offsets)]
-            chunk_rows.append((len(coords), files.setdefault(info.relative_path, len(files)), info.offset,
-                               info.length, _transform(info)))
+            chunk_rows.append((len(coords), position[(name, chunk.offsets)]))
             coords.extend(chunk.offsets)
             coords.extend(chunk.sizes)
-    header = {"keys": keys, "files": list(files), "dtypes": list(dtypes), "dcp_version": metadata.version}
-    return _pack(header, {"keys": key_rows, "dims": dims, "chunks": chunk_rows, "coords": coords})
+    rows = np.array(chunk_rows, np.int64).reshape(-1, 2)
+    chunks = np.zeros((len(rows), 5), np.int64)
+    chunks[:, 0] = rows[:, 0]
+    tables = _PlanTables(plan, list(storage), list(plan), list(dtypes), np.array(key_rows, np.int64).reshape(-1, 7),
+                         np.array(dims, np.int64), chunks, np.array(coords, np.int64), rows[:, 1])
+    _LAST_PLAN[:] = [tables]
+    return tables
 
 
 def _dtype_name(props: TensorProperties) -> str:
@@ -199,6 +246,7 @@ class CheckpointIndex:
         self.dtypes: list[str] = parsed.header["dtypes"]
         self.dcp_version = parsed.header.get("dcp_version")
         self._hashes: tuple[np.ndarray, np.ndarray] | None = None
+        self._line: tuple | None = None
 
     @classmethod
     def parse(cls, data: bytes, *, source: str, file_sizes: Mapping[str, int] | None,
@@ -214,6 +262,29 @@ class CheckpointIndex:
         _check_header(parsed.header, source, file_sizes, len(names), len(parsed.keys))
         check_arrays(index, source, file_sizes, compression)
         return index
+
+    def line_chunks(self) -> tuple | None:
+        """The non-empty chunks of every one-dimensional tensor key on one line, sorted: (each
+        key's base on it, the chunks' starts and ends there, their rows). None where the keys'
+        elements together pass 2**62 (each key is then searched on its own)."""
+        if self._line is None:
+            keys = self.keys
+            one = (keys[:, 0] == 0) & (keys[:, 2] == 1) if len(keys) else np.zeros(0, bool)
+            length = np.where(one, self.dims[np.minimum(keys[:, 3], max(0, len(self.dims) - 1))], 0) \
+                if len(self.dims) else np.zeros(len(keys), np.int64)
+            if sum(int(v) for v in length[one]) > _MAX_INT:
+                self._line = (None,)
+                return None
+            base = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+            chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5]) if len(keys) else np.zeros(0, np.int64)
+            rows = np.flatnonzero(one[chunk_key]) if len(chunk_key) else np.zeros(0, np.int64)
+            at = self.chunks[rows, 0]
+            start, size = self.coords[at], self.coords[at + 1]
+            rows, start, size = rows[size > 0], start[size > 0], size[size > 0]
+            line_start = base[chunk_key[rows]] + start
+            order = np.argsort(line_start, kind="stable")
+            self._line = (base, line_start[order], line_start[order] + size[order], rows[order])
+        return self._line if self._line[0] is not None else None
 
     def key_hashes(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted 64-bit hashes of the keys, the key each belongs to)."""
@@ -453,6 +524,15 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
     pairs_r.append(plain)
     pairs_c.append(keys[key[plain], 4])
     boxed = np.flatnonzero((kind == 0) & (ndim == knd))
+    line = index.line_chunks()
+    if line is not None:  # the one-dimensional keys (flat optimizer buffers) at once
+        one = boxed[knd[boxed] == 1]
+        # A box past the saved tensor's end (another shape: DCP's plan names it) overlaps nothing.
+        one = one[coords[at[one]] + coords[at[one] + 1] <= index.dims[keys[key[one], 3]]]
+        r, c = _line_pairs(line, key[one], coords[at[one]], coords[at[one] + 1])
+        pairs_r.append(one[r])
+        pairs_c.append(c)
+        boxed = boxed[knd[boxed] != 1]
     order = boxed[np.argsort(key[boxed], kind="stable")]
     splits = np.flatnonzero(np.diff(key[order])) + 1
     for group in np.split(order, splits) if len(order) else []:
@@ -461,12 +541,29 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
         cs = index.chunks[first:first + count, 0]
         c_box = index.coords[cs[:, None] + np.arange(2 * nd)] if nd else np.zeros((count, 0), np.int64)
         r_box = coords[at[group][:, None] + np.arange(2 * nd)] if nd else np.zeros((len(group), 0), np.int64)
+        inside = (r_box[:, :nd] + r_box[:, nd:] <= index.dims[keys[k, 3]:keys[k, 3] + nd]).all(axis=1)
+        group, r_box = group[inside], r_box[inside]
+        if not len(group):
+            continue
         r, c = _box_pairs(r_box, c_box, nd)
         pairs_r.append(group[r])
         pairs_c.append(first + c)
-    req, chunk = np.concatenate(pairs_r), np.concatenate(pairs_c)
+    req, chunk = np.concatenate(pairs_r).astype(np.int64, copy=False), np.concatenate(pairs_c).astype(np.int64, copy=False)
     order = np.argsort(req, kind="stable")
-    return req[order].astype(np.int64), chunk[order].astype(np.int64)
+    return req[order], chunk[order]
+
+
+def _line_pairs(line: tuple, keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(request, chunk) of requests on one-dimensional keys: the chunks of every such key on one
+    line (each key's elements after the previous key's), so one ``searchsorted`` finds each run."""
+    base, starts, ends, chunk_ids = line
+    a, b = base[keys] + offsets, base[keys] + offsets + sizes
+    lo, hi = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
+    hi = np.where(sizes > 0, np.maximum(hi, lo), lo)
+    n = hi - lo
+    r = np.repeat(np.arange(len(keys)), n)
+    c = chunk_ids[np.repeat(lo - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))]
+    return r, c
 
 
 def _box_pairs(r_box: np.ndarray, c_box: np.ndarray, nd: int) -> tuple[np.ndarray, np.ndarray]:
@@ -508,8 +605,12 @@ def hash_owners(index: CheckpointIndex, rank: np.ndarray, chunk: np.ndarray, has
     if len(chunk):
         file = index.chunks[chunk, 1]
         pair = rank * len(index.files) + file
-        uniq, inverse = np.unique(pair, return_inverse=True)
-        read = np.bincount(inverse, weights=index.chunks[chunk, 3].astype(np.float64))
+        # Pairs come in rank order and mostly in runs of one file: sum the runs first, then
+        # the few (rank, file) left (5,120 ranks: 5M pairs, some thousands of runs).
+        starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
+        sums = np.add.reduceat(index.chunks[chunk, 3].astype(np.float64), starts)
+        uniq, inverse = np.unique(pair[starts], return_inverse=True)
+        read = np.bincount(inverse.reshape(-1), weights=sums)
         by_file = uniq % len(index.files)
         order = np.lexsort((uniq // len(index.files), -read, by_file))
         first = np.concatenate([[True], by_file[order][1:] != by_file[order][:-1]])
@@ -593,6 +694,9 @@ def partial_metadata(data: bytes, requests: Requests, *, source: str) -> tuple[M
             props = TensorProperties(dtype=_DTYPES[sub.dtypes[dtype]], requires_grad=bool(flags & _FLAG_REQUIRES_GRAD),
                                      pin_memory=bool(flags & _FLAG_PIN))
             entry = entries[name] = TensorStorageMetadata(properties=props, size=size, chunks=[])
+        own_off, own_size = _box(requests, row)
+        if len(own_off) != nd or any(o + n > d for o, n, d in zip(own_off, own_size, size)):
+            continue  # another shape than saved: DCP's plan refuses it, naming both sizes
         covered = 0
         for c in range(first, first + count):
             at = int(sub.chunks[c, 0])
