@@ -401,7 +401,13 @@ def _check_chunk_boxes(index: Any, source: str, refuse: Any) -> None:
             where = np.zeros(len(chunks), bool)
             where[mine[too_small]] = True
             raise refuse("chunks", "at least the chunk's bytes (stored raw)", where)
-        if nd == 1:
+        if nd == 1 and isinstance(index, CheckpointIndex) and index.line_chunks() is not None:
+            _, starts, ends, _ = index.line_chunks()
+            overlap = starts[1:] < ends[:-1]
+            if overlap.any():
+                raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual "
+                                             f"two overlapping at line position {int(starts[1:][overlap][0])}")
+        elif nd == 1:
             _check_disjoint_1d(chunk_key[mine], offsets[:, 0], sizes[:, 0], source)
 
 
@@ -644,9 +650,11 @@ def _sub_index(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: 
     src = np.repeat(chunks[:, 0] - starts, width) + np.arange(int(width.sum()))
     coords = index.coords[src] if len(src) else np.zeros(0, np.int64)
     chunks[:, 0] = np.where(c_nd > 0, starts, np.where(chunks[:, 0] < 0, -1, starts))
-    used, remap = np.unique(chunks[:, 1], return_inverse=True)
+    used = np.flatnonzero(np.bincount(chunks[:, 1], minlength=len(index.files))) if len(chunks) else chunks[:0, 1]
+    table = np.zeros(len(index.files), np.int64)
+    table[used] = np.arange(len(used))
     files = [index.files[int(f)] for f in used]
-    chunks[:, 1] = remap.reshape(-1)
+    chunks[:, 1] = table[chunks[:, 1]]
     header = {"keys": None, "files": files, "dtypes": index.dtypes, "hash": hashed,
               "dcp_version": index.dcp_version}
     return _pack(header, {"keys": rows, "dims": dims, "chunks": chunks, "coords": coords})
