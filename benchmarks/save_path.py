@@ -15,12 +15,22 @@ then ``update()`` with the update journal on (the default; ``loss``, ``grad_norm
 passed as floats) and off (``journal=False``), the same way, each an applied update after a real
 optimizer step (not timed) on a small model of the same shape: the record then holds the LR
 applied and the batch's ids, as in training (``update()``'s cost does not grow with the model).
+Then the first save of a process, ``--runs`` times, ours and plain alternating first: each side in a
+fresh process (``python -c``) with fresh objects and three real iterations behind it, the pages of
+the directory it writes to dropped, the same ``--pause`` before it: ``Coordinator.save()`` (the
+first of the process) against ``plain_save`` (the first ``dcp.save`` of the process), and the
+first ``update()`` that starts a scheduled async save against the first ``dcp.async_save``
+returning (the plain side's process holds no Coordinator).
 Figures are medians over the runs; the last line with ``--json`` is one JSON object:
 ``save_vs_dcp`` and ``restore_vs_dcp_load`` are plain / ours (higher is faster),
 ``async_stall_vs_dcp_async`` is ours / DCP's (lower is better), ``update_us`` in microseconds,
 ``update_us_hang_on`` and ``update_us_hang_off`` the same with hang detection on and off,
 ``update_hang_on_vs_off`` their ratio, ``update_us_journal_on``, ``update_us_journal_off`` and
-``update_journal_on_vs_off`` likewise for the journal, ``per_run`` each run's ratios.
+``update_journal_on_vs_off`` likewise for the journal, ``per_run`` each run's ratios;
+``first_save_vs_dcp`` (plain / ours) and ``first_async_stall_vs_dcp_async`` (ours / DCP's) the
+same for a process's first save, from the medians ``seconds`` holds as ``ours_first_save``,
+``dcp_first_save``, ``ours_first_async_stall`` and ``dcp_first_async_stall``, ``first_per_run``
+each run's.
 ``--profile N`` adds a cProfile of one more of each. The method in full: docs/performance.md.
 """
 
@@ -37,6 +47,7 @@ import platform
 import pstats
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +69,8 @@ GLOBAL_BATCH = 4
 SAMPLES = 256
 GOALS = {"save_vs_dcp": (">=", 0.95), "async_stall_vs_dcp_async": ("<=", 1.1),
          "restore_vs_dcp_load": (">=", 0.85), "update_us": ("<=", 50.0), "update_us_hang_on": ("<=", 50.0),
-         "update_us_journal_on": ("<=", 50.0)}
+         "update_us_journal_on": ("<=", 50.0), "first_save_vs_dcp": (">=", 1.0),
+         "first_async_stall_vs_dcp_async": ("<=", 0.5)}
 HANG_MODES = {"on": HangBounds(), "off": HangBounds(enabled=False)}
 """Hang detection as ``update_us_hang_*`` times it: explicit both ways (a Coordinator given no
 bounds would keep the process watchdog's, the last Coordinator's)."""
@@ -219,7 +231,7 @@ def fresh_dir(root: str, name: str) -> str:
 
 # -- the plain tool, as a user would call it ---------------------------------------------------
 
-def plain_save(t: Training, directory: str) -> None:
+def plain_save(t: Training | PlainLoop, directory: str) -> None:
     model_sd, optim_sd = get_state_dict(t.model, t.optim)
     with quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
@@ -227,7 +239,7 @@ def plain_save(t: Training, directory: str) -> None:
                os.path.join(directory, "extra.pt"))
 
 
-def plain_async_save(t: Training, directory: str):
+def plain_async_save(t: Training | PlainLoop, directory: str):
     model_sd, optim_sd = get_state_dict(t.model, t.optim)
     with quiet():
         future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
@@ -421,6 +433,108 @@ def journal_figures(times: dict[str, list[float]]) -> dict[str, float]:
             "update_us_journal_off_median": statistics.median(times["off"]) * 1e6}
 
 
+# -- the first save of a process ---------------------------------------------------------------
+
+FIRST_KINDS = {"save": "first_save", "async": "first_async_stall"}
+"""The first-save measurements, each side in a process of its own: kind -> its key's stem."""
+FIRST_STEPS = 3
+"""Real iterations before a first save, on both sides: AdamW's moments exist and have moved."""
+
+
+class PlainLoop:
+    """The plain side's objects and loop, without a Coordinator (what ``plain_save`` reads)."""
+
+    def __init__(self, width: int, dataset: Samples) -> None:
+        self.model, self.optim, self.sched, self.loader = build(width, dataset, seed=0)
+        self.batches = iter(self.loader)
+
+    def step(self) -> None:
+        batch = next(self.batches)
+        self.model(batch["x"]).pow(2).mean().backward()
+        self.optim.step()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+
+
+def first_save(side: str, kind: str, gib: float, directory: str, drop: str, pause: float, every: int) -> float:
+    """In a fresh process: build the objects, take ``FIRST_STEPS`` real iterations, drop the pages
+    of ``directory`` and time this process's first save (``kind`` "save") or the first async save's
+    stall (``kind`` "async") of ``side`` ("ours", "plain"). The write is waited for outside."""
+    logging_quiet()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    width = width_for(gib)
+    dataset = Samples(width)
+    cache = PageCache(drop)
+    if side == "plain":
+        loop = PlainLoop(width, dataset)
+        for _ in range(FIRST_STEPS):
+            loop.step()
+        target = fresh_dir(directory, "dcp")
+        cache.drop(directory)
+        settle(pause)
+        if kind == "save":
+            return timed(lambda: plain_save(loop, target))
+        started = time.perf_counter()
+        future = plain_async_save(loop, target)
+        stall = time.perf_counter() - started
+        future.result()
+        return stall
+    t = Training(width, dataset, os.path.join(directory, "run"), every)
+    for _ in range(FIRST_STEPS - 1):
+        t.train()
+    if kind == "save":
+        t.train()
+        cache.drop(directory)
+        settle(pause)
+        seconds = timed(t.coord.save)
+    else:
+        t.skip_to_due([])
+        cache.drop(directory)
+        settle(pause)
+        t.step()
+        started = time.perf_counter()
+        assert t.coord.update(applied=True), "the first async save was not started"
+        seconds = time.perf_counter() - started
+    t.coord.close()
+    assert t.coord.last_committed_step == t.coord.iteration
+    return seconds
+
+
+def first_save_in_child(side: str, kind: str, gib: float, directory: str, drop: str, pause: float,
+                        every: int) -> float:
+    """``first_save`` in a fresh Python process (nothing imported, allocated or planned before)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import save_path; "
+            f"print(save_path.first_save({side!r}, {kind!r}, {gib!r}, {directory!r}, {drop!r}, {pause!r}, {every!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"first {kind} of {side} in a fresh process failed:\n{proc.stderr[-4000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def time_first_saves(gib: float, root: str, runs: int, drop: str, pause: float, every: int) -> list[dict[str, float]]:
+    """Each run: the first save, then the first async stall, ours and plain alternating first
+    (ours first in even runs), each in a fresh process writing to a fresh directory."""
+    out = []
+    for i in range(runs):
+        order = ("ours", "plain") if i % 2 == 0 else ("plain", "ours")
+        run: dict[str, float] = {}
+        for kind, stem in FIRST_KINDS.items():
+            for side in order:
+                directory = fresh_dir(root, "first")
+                run[f"{'ours' if side == 'ours' else 'dcp'}_{stem}"] = first_save_in_child(
+                    side, kind, gib, directory, drop, pause, every)
+                shutil.rmtree(directory)
+        out.append(run)
+    return out
+
+
+def first_ratios(t: dict[str, float]) -> dict[str, float]:
+    """Plain / ours for the first save (higher: ours faster); ours / DCP for the first stall."""
+    return {"first_save_vs_dcp": t["dcp_first_save"] / t["ours_first_save"],
+            "first_async_stall_vs_dcp_async": t["ours_first_async_stall"] / t["dcp_first_async_stall"]}
+
+
 # -- main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -472,19 +586,25 @@ def main() -> None:
         gc.collect()
         by_hang = time_update_by_hang_mode(width, dataset, root, args.every, pairs=max(1, args.runs // 2))
         by_journal = time_update_by_journal(root, args.every, pairs=max(1, args.runs // 2))
+        firsts = time_first_saves(args.gib, root, args.runs, cache.mode, args.pause, args.every)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    first_med = {k: statistics.median(r[k] for r in firsts) for k in firsts[0]}
+    med.update(first_med)
     update_us = statistics.fmean(update_s) * 1e6
     hang = hang_figures(by_hang)
     journal = journal_figures(by_journal)
-    ratios = {**pair_ratios(med), "update_us": update_us, "update_us_hang_on": hang["update_us_hang_on"]}
+    ratios = {**pair_ratios(med), "update_us": update_us, "update_us_hang_on": hang["update_us_hang_on"],
+              **first_ratios(first_med)}
     # Per run, with which side went first: on a virtual disk the position in a pair can matter
     # as much as the tool, and only an even number of runs gives each side each position equally.
     per_run = [{"ours_first": i % 2 == 0, **{k: round(v, 3) for k, v in pair_ratios(r).items()}}
                for i, r in enumerate(runs)]
+    first_per_run = [{"ours_first": i % 2 == 0, **{k: round(v, 3) for k, v in first_ratios(r).items()}}
+                     for i, r in enumerate(firsts)]
     met = {k: (v >= GOALS[k][1] if GOALS[k][0] == ">=" else v <= GOALS[k][1]) for k, v in ratios.items()}
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                "platform": platform.platform(), "page_cache_drop": cache.mode,
@@ -508,6 +628,7 @@ def main() -> None:
           f"over {len(update_s)} calls")
     print_hang_table(hang, len(by_hang["on"]))
     print_journal_table(journal, len(by_journal["on"]))
+    print_first_table(first_med, first_per_run)
     print("\n| ratio | value | goal |\n|---|---:|---|")
     for k, v in ratios.items():
         op, goal = GOALS[k]
@@ -525,7 +646,8 @@ def main() -> None:
                           "update_calls": len(update_s), **{k: v for k, v in hang.items() if k not in ratios},
                           "update_hang_calls": len(by_hang["on"]), **journal,
                           "update_journal_calls": len(by_journal["on"]), "goals_met": met, "machine": machine,
-                          "per_run": per_run, "pause_s": args.pause, "elapsed_s": elapsed}))
+                          "per_run": per_run, "first_per_run": first_per_run, "pause_s": args.pause,
+                          "elapsed_s": elapsed}))
 
 
 def print_hang_table(hang: dict[str, float], calls: int) -> None:
@@ -552,6 +674,19 @@ def print_journal_table(journal: dict[str, float], calls: int) -> None:
     print(f"| median | {journal['update_us_journal_on_median']:.1f} µs | "
           f"{journal['update_us_journal_off_median']:.1f} µs | "
           f"{journal['update_us_journal_on_median'] / journal['update_us_journal_off_median']:.2f} | |")
+
+
+def print_first_table(med: dict[str, float], per_run: list[dict]) -> None:
+    """A process's first save and first async stall, ours and plain, each in a fresh process."""
+    print(f"\n| first of a process, fresh process each, median of {len(per_run)} | ours | plain DCP |"
+          "\n|---|---:|---:|")
+    print(f"| save (Coordinator.save() / plain_save) | {med['ours_first_save']:.3f} s | {med['dcp_first_save']:.3f} s |")
+    print(f"| async stall (update() / dcp.async_save returning) | {med['ours_first_async_stall']:.3f} s | "
+          f"{med['dcp_first_async_stall']:.3f} s |")
+    print("\n| run | first | first_save_vs_dcp | first_async_stall_vs_dcp_async |\n|---|---|---:|---:|")
+    for i, r in enumerate(per_run):
+        print(f"| {i + 1} | {'ours' if r['ours_first'] else 'plain'} | {r['first_save_vs_dcp']:.2f} | "
+              f"{r['first_async_stall_vs_dcp_async']:.2f} |")
 
 
 def pair_ratios(t: dict[str, float]) -> dict[str, float]:

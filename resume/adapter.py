@@ -200,11 +200,13 @@ class ShardIO(ABC):
         that tries to run code (UnsafeCheckpointError) and storage errors raise. Default: none."""
         return []
 
-    def verify_while_loading(self, manifest: Manifest) -> set[str]:
+    def verify_while_loading(self, manifest: Manifest, storage: Storage | None = None,
+                             step_dir: str | None = None) -> set[str]:
         """Rank-local, with ``verify_on_restore``, before ``load_shards(manifest)``: the files of
         ``manifest`` the load will check against their checksums from the bytes it reads (each
         read once; a mismatch raises ``DamagedShardsError`` before anything reaches the live
-        objects). The restore's checksum pass leaves them out. Default: none."""
+        objects). The restore's checksum pass leaves them out; ``storage`` and
+        ``step_dir``: where the load may start reading ahead. Default: none."""
         return set()
 
     def prepare_load(self) -> object:

@@ -170,7 +170,7 @@ class Restorer:
             self.prepared = (self.adapter.prepare_load(),)
         needed = prepare and self.prepared is None
         # The files the load checks from the bytes it reads are not read for their checksums here.
-        by_load = self.adapter.verify_while_loading(manifest)
+        by_load = self.adapter.verify_while_loading(manifest, self.run.storage, self.run.dirname(manifest.step))
         return verify_share(self.run, self.coll, manifest, alongside=prepare_load if needed else None,
                             skip=by_load)
 

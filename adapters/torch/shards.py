@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import functools
 import mmap
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from resume.manifest import Manifest
 from resume.storage import Storage
 from resume.text import clip
 
-from ..dcp.filesystem import make_reader, make_writer, without_torch_crc32
+from ..dcp.filesystem import make_reader, make_writer, prefetch_files, without_torch_crc32
 from ..dcp.index import INDEX_FILE, partial_metadata, requests_for
 from ..dcp.plan_cache import SavePlanCache
 from ..dcp.reader import SafeLoadPlanner
@@ -169,7 +170,8 @@ class DcpShardsMixin:
         ``manifest``; kept for the load that follows (read and unpickled once per restore)."""
         return self._metadata.problems(storage, step_dir, manifest)
 
-    def verify_while_loading(self, manifest: Manifest) -> set[str]:
+    def verify_while_loading(self, manifest: Manifest, storage: Storage | None = None,
+                             step_dir: str | None = None) -> set[str]:
         """Where the step has the index: the files the restore's checksum pass leaves out. The
         .distcp files, which the next ``load_shards`` of ``manifest`` hashes from the bytes it
         reads; and ``.metadata``, which it does not read (613 MiB at 5,120 ranks; ``resume verify``
@@ -178,6 +180,10 @@ class DcpShardsMixin:
             files: set[str] = set()
         else:
             files = {rel for rel in manifest.files if rel.endswith(".distcp")} | ({".metadata"} & set(manifest.files))
+            local = storage.local_path(step_dir) if storage is not None and step_dir is not None else None
+            if local is not None:  # its own files into memory while the restore prepares
+                own = sorted(rel for rel in files if distcp_owner(rel) == self.comm.rank)
+                prefetch_files([os.path.join(local, rel) for rel in own])
         self._verify_load = (manifest.step, files)
         return files
 
