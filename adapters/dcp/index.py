@@ -539,6 +539,12 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
         pairs_r.append(one[r])
         pairs_c.append(c)
         boxed = boxed[knd[boxed] != 1]
+    few = boxed[(knd[boxed] >= 2) & (keys[key[boxed], 5] <= _FEW_CHUNKS)] if len(index.coords) else boxed[:0]
+    for nd in np.unique(knd[few]):  # keys of a few chunks each (TP shards): all their requests at once
+        r, c = _padded_pairs(index, key, at, coords, few[knd[few] == nd], int(nd))
+        pairs_r.append(r)
+        pairs_c.append(c)
+    boxed = np.setdiff1d(boxed, few, assume_unique=True)
     order = boxed[np.argsort(key[boxed], kind="stable")]
     splits = np.flatnonzero(np.diff(key[order])) + 1
     for group in np.split(order, splits) if len(order) else []:
@@ -557,6 +563,37 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
     req, chunk = np.concatenate(pairs_r).astype(np.int64, copy=False), np.concatenate(pairs_c).astype(np.int64, copy=False)
     order = np.argsort(req, kind="stable")
     return req[order], chunk[order]
+
+
+_FEW_CHUNKS = 64
+_BLOCK = 1 << 16
+
+
+def _padded_pairs(index: CheckpointIndex, key: np.ndarray, at: np.ndarray, coords: np.ndarray, reqs: np.ndarray,
+                  nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, chunk) of requests on ``nd``-dimensional keys of at most ``_FEW_CHUNKS`` chunks:
+    each request's box against every chunk of its key, blocks of requests at a time."""
+    keys = index.keys
+    rs, cs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for i in range(0, len(reqs), _BLOCK):
+        r = reqs[i:i + _BLOCK]
+        k = key[r]
+        rbox = coords[at[r][:, None] + np.arange(2 * nd)]
+        inside = (rbox[:, :nd] + rbox[:, nd:] <= index.dims[keys[k, 3][:, None] + np.arange(nd)]).all(axis=1)
+        r, k, rbox = r[inside], k[inside], rbox[inside]
+        if not len(r):
+            continue
+        first, count = keys[k, 4], keys[k, 5]
+        width = int(count.max())
+        valid = np.arange(width) < count[:, None]
+        cid = np.where(valid, first[:, None] + np.arange(width), first[:, None])
+        cbox = index.coords[index.chunks[cid, 0][..., None] + np.arange(2 * nd)]
+        lo = np.maximum(rbox[:, None, :nd], cbox[..., :nd])
+        hi = np.minimum(rbox[:, None, :nd] + rbox[:, None, nd:], cbox[..., :nd] + cbox[..., nd:])
+        ri, ci = np.nonzero((lo < hi).all(axis=2) & valid)
+        rs.append(r[ri])
+        cs.append(cid[ri, ci])
+    return np.concatenate(rs), np.concatenate(cs)
 
 
 def _line_pairs(line: tuple, keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ every item is read with ``weights_only=True``, inside the byte range ``.metadata
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import zipfile
@@ -175,6 +176,7 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
                     planner.load_bytes(req, data)
                 else:
                     self._read_tensor(stream, req, planner, where, segments)
+                    _drop_read(stream, self.storage_data[req.storage_index])
 
     def _expected_bytes(self, req) -> int:
         index = req.storage_index
@@ -231,6 +233,17 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
                                          f"actual {short(tuple(tensor.size()))}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _drop_read(stream, info) -> None:
+    """The pages of a tensor just read (into its target) out of the page cache: a restore reads
+    each byte once, and the memory it fills next (its targets, a fresh optimizer's state) then
+    reuses pages the process has just touched instead of fresh ones, which this kind of host
+    makes slow to fault in (docs/performance.md). Local files only; nothing else changes."""
+    try:
+        os.posix_fadvise(stream.fileno(), info.offset, info.length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
 
 
 def read_capped(stream, cap: int, where: str) -> bytes:
