@@ -290,6 +290,19 @@ def test_overlapping_one_dimensional_chunks_are_refused():
         ix.CheckpointIndex.parse(data, source="index.resume", file_sizes=sizes)
 
 
+def test_two_chunks_of_a_matrix_from_one_element_are_refused():
+    def same_start(h, a):
+        # The embedding's second shard forged to start where the first does (both then
+        # claim that element: a box matching the second exactly would skip the first).
+        k = h["keys"].index("model.embed.weight")
+        first, nd = a["keys"][k, 4], a["keys"][k, 2]
+        one, two = a["chunks"][first, 0], a["chunks"][first + 1, 0]
+        a["coords"][two:two + nd] = a["coords"][one:one + nd]
+    data, sizes = forged(same_start)
+    with pytest.raises(CorruptCheckpointError, match="disjoint"):
+        ix.CheckpointIndex.parse(data, source="index.resume", file_sizes=sizes)
+
+
 def test_a_gap_in_the_chunks_is_refused_by_the_rank_it_would_leave_unread():
     metadata, sizes = finished_metadata(4)
     embed = metadata.state_dict_metadata["model.embed.weight"]

@@ -264,26 +264,13 @@ class CheckpointIndex:
         return index
 
     def line_chunks(self) -> tuple | None:
-        """The non-empty chunks of every one-dimensional tensor key on one line, sorted: (each
-        key's base on it, the chunks' starts and ends there, their rows). None where the keys'
+        """Every tensor key's elements on one line, row-major, each key after the previous one:
+        (each key's base on it, every non-empty chunk's first element there, sorted, where it
+        ends (a one-dimensional chunk: its last element + 1; any other: its first + 1), their
+        rows, each dimension's stride in ``dims``, each chunk's key). None where the keys'
         elements together pass 2**62 (each key is then searched on its own)."""
         if self._line is None:
-            keys = self.keys
-            one = (keys[:, 0] == 0) & (keys[:, 2] == 1) if len(keys) else np.zeros(0, bool)
-            length = np.where(one, self.dims[np.minimum(keys[:, 3], max(0, len(self.dims) - 1))], 0) \
-                if len(self.dims) else np.zeros(len(keys), np.int64)
-            if sum(int(v) for v in length[one]) > _MAX_INT:
-                self._line = (None,)
-                return None
-            base = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
-            chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5]) if len(keys) else np.zeros(0, np.int64)
-            rows = np.flatnonzero(one[chunk_key]) if len(chunk_key) else np.zeros(0, np.int64)
-            at = self.chunks[rows, 0]
-            start, size = self.coords[at], self.coords[at + 1]
-            rows, start, size = rows[size > 0], start[size > 0], size[size > 0]
-            line_start = base[chunk_key[rows]] + start
-            order = np.argsort(line_start, kind="stable")
-            self._line = (base, line_start[order], line_start[order] + size[order], rows[order])
+            self._line = _chunk_line(self) or (None,)
         return self._line if self._line[0] is not None else None
 
     def key_hashes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -296,6 +283,39 @@ class CheckpointIndex:
                                              "64-bit hashes, actual a collision")
             self._hashes = (hashes[order], order)
         return self._hashes
+
+
+def _chunk_line(index: CheckpointIndex) -> tuple | None:
+    keys, dims = index.keys, index.dims
+    nd = np.where(keys[:, 0] == 0, keys[:, 2], 0) if len(keys) else np.zeros(0, np.int64)
+    stride = np.zeros(len(dims), np.int64)
+    numel = np.where(keys[:, 0] == 0, 1, 0) if len(keys) else np.zeros(0, np.int64)
+    for n in np.unique(nd[nd > 0]):
+        n, mine = int(n), np.flatnonzero(nd == n)
+        shape = dims[keys[mine, 3][:, None] + np.arange(n)]
+        if np.prod(shape.astype(np.float64), axis=1).sum() > _MAX_INT:
+            return None
+        tail = np.cumprod(shape[:, ::-1], axis=1)[:, ::-1]
+        stride[keys[mine, 3][:, None] + np.arange(n)] = np.concatenate([tail[:, 1:], np.ones((len(mine), 1), np.int64)], 1)
+        numel[mine] = tail[:, 0]
+    if float(numel.astype(np.float64).sum()) > _MAX_INT:
+        return None
+    base = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64)
+    chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5]) if len(keys) else np.zeros(0, np.int64)
+    starts, ends, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for n in np.unique(nd[chunk_key]) if len(chunk_key) else []:
+        n = int(n)
+        mine = np.flatnonzero((keys[chunk_key, 0] == 0) & (nd[chunk_key] == n))
+        box = index.coords[index.chunks[mine, 0][:, None] + np.arange(2 * n)]
+        k = chunk_key[mine]
+        keep = (box[:, n:] > 0).all(axis=1)
+        start = base[k] + (box[:, :n] * stride[keys[k, 3][:, None] + np.arange(n)]).sum(axis=1)
+        starts.append(start[keep])
+        ends.append((start + (box[:, 1] if n == 1 else 1))[keep])
+        rows.append(mine[keep])
+    start, end, row = np.concatenate(starts), np.concatenate(ends), np.concatenate(rows)
+    order = np.argsort(start, kind="stable")
+    return base, start[order], end[order], row[order], stride, chunk_key
 
 
 def _check_header(header: dict, source: str, file_sizes: Mapping[str, int] | None, names: int, rows: int) -> None:
@@ -378,6 +398,7 @@ def _check_chunk_boxes(index: Any, source: str, refuse: Any) -> None:
     if not len(keys):
         return
     chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5])
+    one_d = None
     for nd in np.unique(keys[:, 2]):
         nd = int(nd)
         mine = np.flatnonzero((keys[chunk_key, 0] == 0) & (keys[chunk_key, 2] == nd))
@@ -401,14 +422,18 @@ def _check_chunk_boxes(index: Any, source: str, refuse: Any) -> None:
             where = np.zeros(len(chunks), bool)
             where[mine[too_small]] = True
             raise refuse("chunks", "at least the chunk's bytes (stored raw)", where)
-        if nd == 1 and isinstance(index, CheckpointIndex) and index.line_chunks() is not None:
-            _, starts, ends, _ = index.line_chunks()
-            overlap = starts[1:] < ends[:-1]
-            if overlap.any():
-                raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual "
-                                             f"two overlapping at line position {int(starts[1:][overlap][0])}")
-        elif nd == 1:
-            _check_disjoint_1d(chunk_key[mine], offsets[:, 0], sizes[:, 0], source)
+        if nd == 1:
+            one_d = (chunk_key[mine], offsets[:, 0], sizes[:, 0])
+    # Once every chunk's box is checked: on one line when the index has one, else key by key.
+    line = index.line_chunks() if isinstance(index, CheckpointIndex) else None
+    if line is None and one_d is not None:
+        _check_disjoint_1d(*one_d, source)
+    if line is not None:
+        _, starts, ends = line[:3]
+        overlap = starts[1:] < ends[:-1]
+        if overlap.any():
+            raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual "
+                                         f"two overlapping at line position {int(starts[1:][overlap][0])}")
 
 
 def _check_disjoint_1d(keys: np.ndarray, starts: np.ndarray, sizes: np.ndarray, source: str) -> None:
@@ -501,11 +526,7 @@ def select(index: CheckpointIndex, wires: list[Any], hashed: Iterable[str]) -> l
     key = _key_of(index, hashes)
     req, chunk = _overlaps(index, key, ndim, at, coords)
     owners = hash_owners(index, rank_of[req], chunk, list(hashed), ranks)
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    by_rank = np.searchsorted(req, bounds)
-    return [_sub_index(index, key[bounds[r]:bounds[r + 1]], req[by_rank[r]:by_rank[r + 1]] - bounds[r],
-                       chunk[by_rank[r]:by_rank[r + 1]], owners.get(r, []))
-            for r in range(ranks)]
+    return _answers(index, key, req, chunk, _exclusive(counts), owners)
 
 
 def _key_of(index: CheckpointIndex, hashes: np.ndarray) -> np.ndarray:
@@ -531,6 +552,11 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
     pairs_c.append(keys[key[plain], 4])
     boxed = np.flatnonzero((kind == 0) & (ndim == knd))
     line = index.line_chunks()
+    if line is not None:  # a box that is a saved chunk (a restart on the layout it was saved on)
+        hit, hit_chunk = _exact_pairs(index, line, key, at, coords, boxed, knd)
+        pairs_r.append(boxed[hit])
+        pairs_c.append(hit_chunk)
+        boxed = boxed[~hit]
     if line is not None:  # the one-dimensional keys (flat optimizer buffers) at once
         one = boxed[knd[boxed] == 1]
         # A box past the saved tensor's end (another shape: DCP's plan names it) overlaps nothing.
@@ -545,6 +571,52 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
         pairs_r.append(r)
         pairs_c.append(c)
     boxed = np.setdiff1d(boxed, few, assume_unique=True)
+    r, c = _key_pairs(index, key, at, coords, boxed)
+    pairs_r.append(r)
+    pairs_c.append(c)
+    req, chunk = np.concatenate(pairs_r).astype(np.int64, copy=False), np.concatenate(pairs_c).astype(np.int64, copy=False)
+    order = np.argsort(req, kind="stable")
+    return req[order], chunk[order]
+
+
+def _exact_pairs(index: CheckpointIndex, line: tuple, key: np.ndarray, at: np.ndarray, coords: np.ndarray,
+                 boxed: np.ndarray, knd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(which of ``boxed`` are exactly a saved chunk of their key, those chunks): the chunk whose
+    first element is the box's, found on the line, then compared. The chunks of a key are
+    disjoint (checked), so such a box overlaps no other. An empty box is left to the others.
+    Column by column: each a gather of one value per box."""
+    base, starts, _, rows, stride, chunk_key = line
+    hit, chunk = np.zeros(len(boxed), bool), np.zeros(len(boxed), np.int64)
+    if not len(starts):
+        return hit, chunk[:0]
+    dims_at = np.ascontiguousarray(index.keys[:, 3])
+    for nd in np.unique(knd[boxed]):
+        nd = int(nd)
+        mine = np.flatnonzero(knd[boxed] == nd) if len(np.unique(knd[boxed])) > 1 else np.arange(len(boxed))
+        r = boxed[mine]
+        k, first = key[r], at[r]
+        ok, position = np.ones(len(r), bool), base[k]
+        for j in range(nd):
+            offset, size, d = coords[first + j], coords[first + nd + j], dims_at[k] + j
+            ok &= (size > 0) & (offset + size <= index.dims[d])
+            position = position + offset * stride[d]
+        i = np.minimum(np.searchsorted(starts, position), len(starts) - 1)
+        c = rows[i]
+        same = np.flatnonzero(ok & (starts[i] == position) & (chunk_key[c] == k))
+        r_first, c_first = first[same], index.chunks[c[same], 0]
+        equal = np.ones(len(same), bool)
+        for j in range(2 * nd):
+            equal &= index.coords[c_first + j] == coords[r_first + j]
+        hit[mine[same[equal]]] = True
+        chunk[mine] = c
+    return hit, chunk[hit]
+
+
+def _key_pairs(index: CheckpointIndex, key: np.ndarray, at: np.ndarray, coords: np.ndarray,
+               boxed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(request, chunk) of the requests left, key by key."""
+    keys = index.keys
+    pairs_r, pairs_c = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     order = boxed[np.argsort(key[boxed], kind="stable")]
     splits = np.flatnonzero(np.diff(key[order])) + 1
     for group in np.split(order, splits) if len(order) else []:
@@ -560,9 +632,7 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
         r, c = _box_pairs(r_box, c_box, nd)
         pairs_r.append(group[r])
         pairs_c.append(first + c)
-    req, chunk = np.concatenate(pairs_r).astype(np.int64, copy=False), np.concatenate(pairs_c).astype(np.int64, copy=False)
-    order = np.argsort(req, kind="stable")
-    return req[order], chunk[order]
+    return np.concatenate(pairs_r), np.concatenate(pairs_c)
 
 
 _FEW_CHUNKS = 64
@@ -599,7 +669,7 @@ def _padded_pairs(index: CheckpointIndex, key: np.ndarray, at: np.ndarray, coord
 def _line_pairs(line: tuple, keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(request, chunk) of requests on one-dimensional keys: the chunks of every such key on one
     line (each key's elements after the previous key's), so one ``searchsorted`` finds each run."""
-    base, starts, ends, chunk_ids = line
+    base, starts, ends, chunk_ids = line[:4]
     a, b = base[keys] + offsets, base[keys] + offsets + sizes
     lo, hi = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
     hi = np.where(sizes > 0, np.maximum(hi, lo), lo)
@@ -666,35 +736,79 @@ def hash_owners(index: CheckpointIndex, rank: np.ndarray, chunk: np.ndarray, has
     return owners
 
 
-def _sub_index(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray,
-               hashed: list[str]) -> bytes:
-    """One rank's answer (``SubIndex``): a row per request, in its order."""
+def _exclusive(counts: np.ndarray) -> np.ndarray:
+    """Each position's start when ``counts`` are laid end to end, and the total last (len + 1)."""
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+_BLOCK_REQUESTS = 1 << 18
+
+
+def _answers(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray, bounds: np.ndarray,
+             owners: dict[int, list[str]]) -> list[bytes]:
+    """Every rank's answer (``SubIndex``), ranks a block at a time (a block's tables built at
+    once, then cut per rank): a row per request, in its order."""
+    ranks = len(bounds) - 1
+    pair_bounds = np.searchsorted(req, bounds)
+    per_block = max(1, _BLOCK_REQUESTS * ranks // max(1, int(bounds[-1])))
+    answers: list[bytes] = []
+    for r0 in range(0, ranks, per_block):
+        r1 = min(ranks, r0 + per_block)
+        q0, q1, p0, p1 = bounds[r0], bounds[r1], pair_bounds[r0], pair_bounds[r1]
+        answers.extend(_block_answers(index, key[q0:q1], req[p0:p1] - q0, chunk[p0:p1], bounds[r0:r1 + 1] - q0,
+                                      pair_bounds[r0:r1 + 1] - p0, [owners.get(r, []) for r in range(r0, r1)]))
+    return answers
+
+
+def _block_answers(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray,
+                   bounds: np.ndarray, pair_bounds: np.ndarray, hashed: list[list[str]]) -> list[bytes]:
+    """The answers of a block of ranks (``bounds``: each rank's first request; ``pair_bounds``:
+    its first (request, chunk) pair)."""
     rows = np.zeros((len(key), 7), np.int64)
     known = key >= 0
     rows[known] = index.keys[key[known]]
     rows[~known, 0] = ABSENT
-    rows[:, 5] = np.bincount(req, minlength=len(key)) if len(key) else 0
-    rows[:, 4] = np.concatenate([[0], np.cumsum(rows[:, 5])[:-1]]) if len(key) else 0
+    rows[:, 5] = np.bincount(req, minlength=len(key))
+    rank_of = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    rows[:, 4] = _exclusive(rows[:, 5])[:-1] - pair_bounds[rank_of]
     nd = np.where(rows[:, 0] == 0, rows[:, 2], 0)
-    dims_src = np.repeat(rows[:, 3] - np.concatenate([[0], np.cumsum(nd)[:-1]]), nd) + np.arange(int(nd.sum()))
-    dims = index.dims[dims_src]
-    rows[:, 3] = np.concatenate([[0], np.cumsum(nd)[:-1]])
-    rows[~(rows[:, 0] == 0), 2] = 0
-    chunks = index.chunks[chunk].copy()
+    dims_at = _exclusive(nd)
+    dims = index.dims[np.repeat(rows[:, 3] - dims_at[:-1], nd) + np.arange(dims_at[-1])]
+    rows[:, 3] = dims_at[:-1] - dims_at[bounds][rank_of]
+    rows[rows[:, 0] != 0, 2] = 0
+    chunks = index.chunks[chunk]
     c_nd = rows[req, 2]
-    width = 2 * c_nd
-    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
-    src = np.repeat(chunks[:, 0] - starts, width) + np.arange(int(width.sum()))
-    coords = index.coords[src] if len(src) else np.zeros(0, np.int64)
-    chunks[:, 0] = np.where(c_nd > 0, starts, np.where(chunks[:, 0] < 0, -1, starts))
-    used = np.flatnonzero(np.bincount(chunks[:, 1], minlength=len(index.files))) if len(chunks) else chunks[:0, 1]
-    table = np.zeros(len(index.files), np.int64)
-    table[used] = np.arange(len(used))
-    files = [index.files[int(f)] for f in used]
-    chunks[:, 1] = table[chunks[:, 1]]
-    header = {"keys": None, "files": files, "dtypes": index.dtypes, "hash": hashed,
-              "dcp_version": index.dcp_version}
-    return _pack(header, {"keys": rows, "dims": dims, "chunks": chunks, "coords": coords})
+    coords_at = _exclusive(2 * c_nd)
+    coords = index.coords[np.repeat(chunks[:, 0] - coords_at[:-1], 2 * c_nd) + np.arange(coords_at[-1])]
+    pair_rank = rank_of[req]
+    chunks[:, 0] = np.where((c_nd == 0) & (chunks[:, 0] < 0), -1, coords_at[:-1] - coords_at[pair_bounds][pair_rank])
+    used, local = _files_used(pair_rank, chunks[:, 1], len(index.files))
+    chunks[:, 1] = local
+    file_bounds = np.searchsorted(used // max(1, len(index.files)), np.arange(len(bounds)))
+    out = []
+    for r in range(len(bounds) - 1):
+        files = [index.files[int(f)] for f in used[file_bounds[r]:file_bounds[r + 1]] % len(index.files)]
+        header = {"keys": None, "files": files, "dtypes": index.dtypes, "hash": hashed[r],
+                  "dcp_version": index.dcp_version}
+        out.append(_pack(header, {"keys": rows[bounds[r]:bounds[r + 1]], "dims": dims[dims_at[bounds[r]]:dims_at[bounds[r + 1]]],
+                                  "chunks": chunks[pair_bounds[r]:pair_bounds[r + 1]],
+                                  "coords": coords[coords_at[pair_bounds[r]]:coords_at[pair_bounds[r + 1]]]}))
+    return out
+
+
+def _files_used(rank: np.ndarray, file: np.ndarray, files: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct (rank, file) pairs as ``rank * files + file``, sorted; each pair's file
+    numbered among its rank's files). Pairs mostly come in runs of one file."""
+    if not len(rank):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    pair = rank * files + file
+    starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
+    used, inverse = np.unique(pair[starts], return_inverse=True)
+    first = np.searchsorted(used // files, used // files, side="left")
+    local = (np.arange(len(used)) - first)[inverse.reshape(-1)]
+    return used, np.repeat(local, np.diff(np.append(starts, len(pair))))
 
 
 # -- every rank: its own load's Metadata -----------------------------------------------------------------
