@@ -45,10 +45,14 @@ DCP's save (``dcp_figures``):
     (what a rank receives of the global plan), ``dcp_final_broadcast_bytes`` (what DCP's
     end-of-save broadcast carries: the planner's Metadata pickled, a ``MetadataSummary``),
     ``dcp_bytes_per_rank_per_save`` and ``dcp_bytes_per_rank_per_save_cached`` (plan + that
-    broadcast); rank 0 at every save (``StepWriter.finish``): ``metadata_write_s`` (DCP's
-    ``.metadata``), ``index_write_s`` (``encode_index`` and the write) and ``index_bytes``, at a
-    later save of the same plan (what the plan alone decides is kept from the save before), and
-    ``metadata_write_first_s``, ``index_write_first_s`` at a process's first save.
+    broadcast); rank 0 at the end of every save: ``results_gather_s`` (unpickling every rank's
+    write results as ``StepWriter.write_data`` packs them; ``results_bytes_rank0`` their size;
+    DCP's own writer's unpacked results beside them: ``dcp_results_gather_s``,
+    ``dcp_results_bytes_rank0``), then ``StepWriter.finish``: ``metadata_write_s`` (DCP's
+    ``.metadata``), ``index_write_s`` (``encode_index`` and the write) and ``index_bytes``;
+    ``finish_s`` the gather and the finish together. At a later save of the same plan (what the
+    plan alone decides is kept from the save before); ``metadata_write_first_s``,
+    ``index_write_first_s``, ``finish_first_s`` at a process's first save.
 The index at a restore (``index_figures``; every rank's requests built from what it holds, as
 ``requests_for`` makes them, checked against it on ranks 0, 1 and N - 1):
     rank 0: ``index_rank0_s`` = ``index_read_s`` + ``index_parse_s`` (``CheckpointIndex.parse``
@@ -115,6 +119,7 @@ from resume.adapters.dcp.index import (
 from resume.adapters.dcp.plan_cache import CachingSavePlanner, MetadataSummary, forget
 from resume.adapters.dcp.reader import SafeLoadPlanner
 from resume.adapters.dcp.unpickle import restricted_load_metadata
+from resume.adapters.dcp.written import PackedWrites
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -902,23 +907,31 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
 
 
 def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metadata: Any) -> dict:
-    """``.metadata`` and the index, as the adapter's writer (``StepWriter.finish``) writes them
-    on rank 0 at every save, from write results shaped like each rank's (one file per rank,
-    items back to back): each timed, and where they are."""
-    first = _write_step(layout, root, global_plan, metadata, f"dcp-{layout.ranks}-first")
-    # The next save of the same plan: DCP's plan cache hands back the same items (the same
-    # index objects), with write results of their own.
-    later = _write_step(layout, root, global_plan, metadata, f"dcp-{layout.ranks}")
+    """Rank 0's end of a save, as the adapter's writer does it: every rank's write results
+    (one file per rank, items back to back) gathered to rank 0 as ``StepWriter.write_data``
+    packs them, then ``StepWriter.finish`` writes ``.metadata`` and the index. Each part timed
+    (and DCP's own gather of unpacked results beside it), at a process's first save and at a
+    later save of the same plan; where the files are."""
+    results, sizes = _write_results(global_plan)
+    first = _write_step(root, results, metadata, f"dcp-{layout.ranks}-first")
+    # The next save of the same plan: the same items, their results gathered again (new objects).
+    later = _write_step(root, results, metadata, f"dcp-{layout.ranks}")
     shutil.rmtree(os.path.join(root, f"dcp-{layout.ranks}-first"), ignore_errors=True)
-    return later | {"metadata_write_first_s": first["metadata_write_s"], "index_write_first_s": first["index_write_s"]}
+    plain = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in results]
+    started = time.perf_counter()
+    for blob in plain:
+        pickle.loads(blob)
+    dcp_gather_s = time.perf_counter() - started
+    return later | {"metadata_write_first_s": first["metadata_write_s"], "index_write_first_s": first["index_write_s"],
+                    "finish_first_s": first["finish_s"], "shard_sizes": sizes,
+                    "dcp_results_gather_s": dcp_gather_s, "dcp_results_bytes_rank0": sum(map(len, plain))}
 
 
-def _write_step(layout: Layout, root: str, global_plan: list[SavePlan], metadata: Any, step_dir: str) -> dict:
-    storage = open_storage(root)
-    storage.makedirs(step_dir)
+def _write_results(global_plan: list[SavePlan]) -> tuple[list[Any], dict[str, int]]:
+    """Each rank's write results, as ``StepWriter.write_data`` returns them (packed)."""
     results, sizes = [], {}
     for rank, plan in enumerate(global_plan):
-        name, offset, out = f"__{rank}_0.distcp", 0, []
+        name, offset, out = f"__{rank}_0.distcp", 0, PackedWrites()
         for item in plan.items:
             length = item.tensor_storage_size() or 1
             out.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -926,17 +939,28 @@ def _write_step(layout: Layout, root: str, global_plan: list[SavePlan], metadata
             offset += length
         results.append(out)
         sizes[name] = offset
+    return results, sizes
+
+
+def _write_step(root: str, results: list[Any], metadata: Any, step_dir: str) -> dict:
+    storage = open_storage(root)
+    storage.makedirs(step_dir)
+    sent = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in results]  # each rank's own work
     writer = make_writer(storage, step_dir, durable=False)
     metadata_s: list[float] = []
     index_s: list[float] = []
+    started = time.perf_counter()
+    gathered = [pickle.loads(blob) for blob in sent]  # what torch's gather_object makes rank 0 do
+    gather_s = time.perf_counter() - started
     with timing(writer, "_write_metadata", metadata_s), timing(writer, "_write_index", index_s):
-        writer.finish(metadata, results)
+        writer.finish(metadata, gathered)
+    finish_s = time.perf_counter() - started
     index_path = os.path.join(root, step_dir, INDEX_FILE)
     if not (metadata_s and index_s and os.path.exists(index_path)):
         raise RuntimeError(f"{index_path}: expected the writer to write .metadata and the index")
     return {"metadata_write_s": metadata_s[0], "index_write_s": index_s[0], "index_bytes": os.path.getsize(index_path),
             "metadata_path": os.path.join(root, step_dir, ".metadata"), "index_path": index_path,
-            "shard_sizes": sizes}
+            "results_gather_s": gather_s, "results_bytes_rank0": sum(map(len, sent)), "finish_s": finish_s}
 
 
 def index_figures(layout: Layout, tensors: int, path: str, file_sizes: dict[str, int]) -> tuple[dict, Callable]:
@@ -1106,6 +1130,9 @@ ROWS_PRINTED = [
     ("index written by rank 0 at each save (s)", "index_write_s", lambda v: f"{v:.2f}"),
     ("  at a process's first save (s)", "index_write_first_s", lambda v: f"{v:.2f}"),
     (".metadata written by rank 0 at each save (s)", "metadata_write_s", lambda v: f"{v:.2f}"),
+    ("write results gathered to rank 0, unpickled (s)", "results_gather_s", lambda v: f"{v:.2f}"),
+    ("  as DCP's own writer sends them (s)", "dcp_results_gather_s", lambda v: f"{v:.2f}"),
+    ("rank 0's end of a save: gather, .metadata, index (s)", "finish_s", lambda v: f"{v:.2f}"),
     ("restore: rank 0 reads, parses, selects the index (s)", "index_rank0_s", lambda v: f"{v:.2f}"),
     ("  of which read / parse / select (s)", ("index_read_s", "index_parse_s", "index_select_s"),
      lambda v: " / ".join(f"{x:.2f}" for x in v)),

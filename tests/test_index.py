@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import re
 import struct
 
@@ -290,6 +291,43 @@ def test_overlapping_one_dimensional_chunks_are_refused():
         ix.CheckpointIndex.parse(data, source="index.resume", file_sizes=sizes)
 
 
+def saved_items(index: ix.CheckpointIndex) -> dict[tuple, tuple]:
+    """{(key, chunk offsets): (file, offset, length, transform)} of a parsed index."""
+    out = {}
+    for k, name in enumerate(index.names):
+        kind, _, nd, _, first, count, _ = index.keys[k].tolist()
+        for c in range(first, first + count):
+            at, file, offset, length, transform = index.chunks[c].tolist()
+            out[name, tuple(index.coords[at:at + nd].tolist()) if kind == 0 else None] = (
+                index.files[file], offset, length, transform)
+    return out
+
+
+def test_a_later_save_of_the_plan_places_its_entries_by_value_in_any_order():
+    # Rank 0 receives every rank's write results unpickled: new objects at every save, in
+    # whatever order the ranks' lists come. The plan's tables are reused; the entries are
+    # placed by key and offsets, never by the objects' identity or order.
+    metadata, sizes = finished_metadata(4)
+    first = saved_items(ix.CheckpointIndex.parse(ix.encode_index(metadata), source="i", file_sizes=sizes))
+    again = pickle.loads(pickle.dumps(metadata.storage_data))
+    metadata.storage_data = dict(reversed(list(again.items())))
+    later = saved_items(ix.CheckpointIndex.parse(ix.encode_index(metadata), source="i", file_sizes=sizes))
+    assert later == first and len(first) == len(metadata.storage_data)
+
+
+def test_entries_that_are_not_the_plans_chunks_write_no_index():
+    metadata, _ = finished_metadata(2)
+    entry = next(i for i in metadata.storage_data if i.fqn == "model.embed.weight")
+    info = metadata.storage_data[entry]
+    metadata.storage_data[MetadataIndex(entry.fqn, torch.Size([1, 0]))] = info  # no chunk starts there
+    with pytest.raises(ValueError, match="model.embed.weight"):
+        ix.encode_index(metadata)
+    del metadata.storage_data[entry]  # one entry short
+    metadata.storage_data.pop(MetadataIndex(entry.fqn, torch.Size([1, 0])))
+    with pytest.raises(ValueError, match="chunks once each"):
+        ix.encode_index(metadata)
+
+
 def test_two_chunks_of_a_matrix_from_one_element_are_refused():
     def same_start(h, a):
         # The embedding's second shard forged to start where the first does (both then
@@ -306,7 +344,9 @@ def test_two_chunks_of_a_matrix_from_one_element_are_refused():
 def test_a_gap_in_the_chunks_is_refused_by_the_rank_it_would_leave_unread():
     metadata, sizes = finished_metadata(4)
     embed = metadata.state_dict_metadata["model.embed.weight"]
+    gone = embed.chunks[0]
     embed.chunks = embed.chunks[1:]  # rows 0-2 of the embedding saved nowhere
+    del metadata.storage_data[MetadataIndex("model.embed.weight", gone.offsets)]
     index = ix.CheckpointIndex.parse(ix.encode_index(metadata), source="index", file_sizes=sizes)
     boxes = [Boxes([("model.embed.weight", (0, 0), (10, 5))])]
     answers = ix.select(index, [b.requests.wire() for b in boxes], [])

@@ -39,6 +39,7 @@ from typing import Any
 
 import xxhash
 from torch.distributed.checkpoint import filesystem as _fs
+from torch.futures import Future
 
 from resume import faults
 from resume.checksum import ALGORITHM
@@ -321,32 +322,65 @@ def _fsync_dir(directory: str) -> None:
 
 
 class StepWriter(_fs.FileSystemWriter):
-    """DCP's ``FileSystemWriter`` for one step directory; ``finish`` (the coordinator, last)
-    writes ``.metadata`` as DCP does, pickled from a plain ``Metadata`` whatever the planner
-    handed it (a ``KeptMetadata`` pickles to a ``MetadataSummary``)."""
+    """DCP's ``FileSystemWriter`` for one step directory. Each rank's write results travel to
+    the coordinator packed (``written.PackedWrites``); ``finish`` (the coordinator, last) reads
+    them into columns once and writes from them ``.metadata`` (what DCP writes, pickled from a
+    plain ``Metadata`` whatever the planner handed it: a ``KeptMetadata`` pickles to a
+    ``MetadataSummary``) and the index."""
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        from .written import PackedWrites
+
+        results = super().write_data(plan, planner).wait()
+        packed: Future = Future()
+        packed.set_result(PackedWrites(results))
+        return packed
 
     def finish(self, metadata: Any, results: list) -> None:
-        plain = plain_metadata(metadata)
-        self._write_metadata(plain, results)
-        vars(metadata).update(vars(plain))  # what DCP fills in: storage_data, storage_meta, version
-        self._write_index(plain)
+        from .written import StorageEntries, as_write_results, written_of
 
-    def _write_index(self, plain: Any) -> None:
+        try:
+            written = written_of(results)
+        except ValueError as e:  # entries the columns cannot hold: DCP's own finish, no index
+            log.warning("resume: no index for this step (its restores read .metadata): %s", e)
+            plain = plain_metadata(metadata)
+            super().finish(metadata=plain, results=[as_write_results(r) for r in results])
+            vars(metadata).update(vars(plain))
+            return
+        plain = plain_metadata(metadata)
+        plain.version = _fs.CURRENT_DCP_VERSION
+        plain.storage_data = StorageEntries(written)
+        plain.storage_meta = self.storage_meta()
+        self._write_metadata(plain, written)
+        vars(metadata).update(vars(plain))  # what DCP fills in: storage_data, storage_meta, version
+        self._write_index(plain, written)
+
+    def _write_index(self, plain: Any, written: Any) -> None:
         """The index (``index.INDEX_FILE``) beside ``.metadata``: what a restore reads instead of
         it. A state the index cannot describe writes none: its restores read ``.metadata``."""
         from .index import INDEX_FILE, encode_index
 
         try:
-            data = encode_index(plain)
+            data = encode_index(plain, written)
         except (ValueError, KeyError) as e:
             log.warning("resume: no index for this step (its restores read .metadata): %s", e)
             return
         with self.fs.create_stream(self.fs.concat_path(self.path, INDEX_FILE), "wb") as f:
             f.write(data)
 
-    def _write_metadata(self, plain: Any, results: list) -> None:
-        """``.metadata``, exactly as DCP writes it (``plain`` gets its storage_data and version)."""
-        super().finish(metadata=plain, results=results)
+    def _write_metadata(self, plain: Any, written: Any) -> None:
+        """``.metadata`` as DCP writes it (a temporary file renamed over any old one), its
+        ``storage_data`` a plain dict."""
+        from .metadata_pickle import dumps_metadata
+
+        data = dumps_metadata(plain, written)
+        tmp = self.fs.concat_path(self.path, f"{_fs._metadata_fn}.tmp")
+        with self.fs.create_stream(tmp, "wb") as f:
+            f.write(data)
+        final = self.fs.concat_path(self.path, _fs._metadata_fn)
+        if self.fs.exists(final):
+            self.fs.rm_file(final)
+        self.fs.rename(tmp, final)
 
 
 COMPRESSIONS = (None, "zstd")

@@ -49,6 +49,7 @@ from resume.manifest import check_relative_path
 from resume.text import short
 
 from .metadata_check import MAX_NAME
+from .written import Written, columns_of
 
 __all__ = ["INDEX_FILE", "CheckpointIndex", "Requests", "SubIndex", "encode_index", "partial_metadata",
            "requests_for"]
@@ -75,27 +76,25 @@ def key_hash(name: str) -> int:
 
 # -- writing ---------------------------------------------------------------------------------------
 
-def encode_index(metadata: Metadata) -> bytes:
-    """``metadata`` (DCP's, after ``finish`` filled ``storage_data``) as the index. ValueError for
-    what the format cannot say (an unknown dtype, layout or memory format): the save then
-    writes no index and a restore reads ``.metadata`` as before.
+def encode_index(metadata: Metadata, written: Written | None = None) -> bytes:
+    """``metadata`` (DCP's, after ``finish`` filled ``storage_data``; ``written``: its columns,
+    when already read) as the index. ValueError for what the format cannot say (an unknown
+    dtype, layout or memory format, an entry that is no chunk of the plan): the save then writes
+    no index and a restore reads ``.metadata`` as before.
 
-    What depends on the plan alone (names, shapes, chunks, which storage entry each chunk is) is
-    kept for the next save of the same plan (DCP's plan cache hands back the same objects): a
-    later save only reads each entry's file, offset and length."""
-    tables = _plan_tables(metadata)
-    storage = metadata.storage_data
-    files: dict[str, int] = {}
-    file_of = [files.setdefault(info.relative_path, len(files)) for info in storage.values()]
-    columns = np.empty((len(storage), 4), np.int64)
-    if len(storage):
-        columns[:, 0] = file_of
-        columns[:, 1] = np.fromiter((info.offset for info in storage.values()), np.int64, len(storage))
-        columns[:, 2] = np.fromiter((info.length for info in storage.values()), np.int64, len(storage))
-        columns[:, 3] = np.fromiter((_transform(info) for info in storage.values()), np.int64, len(storage))
+    What depends on the plan alone (names, shapes, chunks, each chunk's place on one line of
+    every tensor's elements) is kept for the next save of the same plan (DCP's plan cache
+    hands back the same objects); each save places its entries on that line, vectorized."""
+    tables = _plan_tables(metadata.state_dict_metadata)
+    written = columns_of(metadata.storage_data) if written is None else written
+    rows = _entry_rows(tables, written)
     chunks = tables.chunks.copy()
-    chunks[:, 1:] = columns[tables.position] if len(chunks) else chunks[:, 1:]
-    header = {"keys": tables.names, "files": list(files), "dtypes": tables.dtypes, "dcp_version": metadata.version}
+    chunks[rows, 1] = written.file
+    chunks[rows, 2] = written.offset
+    chunks[rows, 3] = written.length
+    if written.transforms is not None:
+        chunks[rows, 4] = [_transform(named) for named in written.transforms]
+    header = {"keys": tables.names, "files": written.files, "dtypes": tables.dtypes, "dcp_version": metadata.version}
     return _pack(header, {"keys": tables.keys, "dims": tables.dims, "chunks": chunks, "coords": tables.coords})
 
 
@@ -103,8 +102,6 @@ def encode_index(metadata: Metadata) -> bytes:
 class _PlanTables:
     plan: Any
     """The ``state_dict_metadata`` these were made from (held: its identity is the cache key)."""
-    order: list
-    """``storage_data``'s keys in the order they came (the same objects from a cached plan)."""
     names: list[str]
     dtypes: list[str]
     keys: np.ndarray
@@ -112,27 +109,22 @@ class _PlanTables:
     chunks: np.ndarray
     """coords start, then placeholders for the storage columns."""
     coords: np.ndarray
-    position: np.ndarray
-    """For each chunk row, its entry's position in ``storage_data``."""
+    line: tuple | None = None
+    """``_chunk_line`` of these tables (None: too many elements for one line)."""
 
 
 _LAST_PLAN: list[_PlanTables] = []
 
 
-def _plan_tables(metadata: Metadata) -> _PlanTables:
-    plan, storage = metadata.state_dict_metadata, metadata.storage_data
-    if _LAST_PLAN:
-        last = _LAST_PLAN[0]
-        if last.plan is plan and len(last.order) == len(storage) and \
-                all(a is b for a, b in zip(last.order, storage)):
-            return last
-    position = {(index.fqn, index.offset): i for i, index in enumerate(storage)}
+def _plan_tables(plan: Mapping[str, Any]) -> _PlanTables:
+    if _LAST_PLAN and _LAST_PLAN[0].plan is plan:
+        return _LAST_PLAN[0]
     dtypes: dict[str, int] = {}
     key_rows, dims, chunk_rows, coords = [], [], [], []
-    for name, entry in plan.items():
+    for entry in plan.values():
         if isinstance(entry, BytesStorageMetadata):
             key_rows.append((1, -1, 0, len(dims), len(chunk_rows), 1, 0))
-            chunk_rows.append((-1, position[(name, None)]))
+            chunk_rows.append(-1)
             continue
         props = entry.properties
         dtype = dtypes.setdefault(_dtype_name(props), len(dtypes))
@@ -140,16 +132,61 @@ def _plan_tables(metadata: Metadata) -> _PlanTables:
         key_rows.append((0, dtype, len(entry.size), len(dims), len(chunk_rows), len(entry.chunks), flags))
         dims.extend(entry.size)
         for chunk in entry.chunks:
-            chunk_rows.append((len(coords), position[(name, chunk.offsets)]))
+            chunk_rows.append(len(coords))
             coords.extend(chunk.offsets)
             coords.extend(chunk.sizes)
-    rows = np.array(chunk_rows, np.int64).reshape(-1, 2)
-    chunks = np.zeros((len(rows), 5), np.int64)
-    chunks[:, 0] = rows[:, 0]
-    tables = _PlanTables(plan, list(storage), list(plan), list(dtypes), np.array(key_rows, np.int64).reshape(-1, 7),
-                         np.array(dims, np.int64), chunks, np.array(coords, np.int64), rows[:, 1])
+    chunks = np.zeros((len(chunk_rows), 5), np.int64)
+    chunks[:, 0] = chunk_rows
+    tables = _PlanTables(plan, list(plan), list(dtypes), np.array(key_rows, np.int64).reshape(-1, 7),
+                         np.array(dims, np.int64), chunks, np.array(coords, np.int64))
+    tables.line = _chunk_line(tables)
     _LAST_PLAN[:] = [tables]
     return tables
+
+
+def _entry_rows(tables: _PlanTables, written: Written) -> np.ndarray:
+    """Each written entry's chunk row: an object's key's one row; a tensor chunk's found by its
+    key and first element on the line, its offsets then compared. ValueError unless the entries
+    are the plan's chunks, each once."""
+    number = {name: i for i, name in enumerate(tables.names)}
+    try:
+        key = np.array([number[name] for name in written.names] or [0], np.int64)[written.key]
+    except KeyError as e:
+        raise ValueError(f"index: storage_data: an entry of no key of the plan: {short(e.args[0])}") from e
+    keys = tables.keys
+    rows = np.full(len(written), -1, np.int64)
+    objects = keys[key, 0] == 1
+    rows[objects & (written.ndim == -1)] = keys[key[objects & (written.ndim == -1)], 4]
+    tensor = np.flatnonzero(~objects & (written.ndim == keys[key, 2]))
+    at = _exclusive(np.maximum(written.ndim, 0))[:-1]
+    if tables.line is not None and len(tensor):
+        found, chunk = _exact_pairs(tables, tables.line, key, at, written.offsets, tensor, keys[key, 2],
+                                    offsets_only=True)
+        rows[tensor[found]] = chunk
+    rows = _rows_left(tables, written, key, at, rows)
+    if len(rows) != len(tables.chunks) or (np.bincount(rows, minlength=len(tables.chunks)) != 1).any():
+        raise ValueError(f"index: storage_data: expected the plan's {len(tables.chunks)} chunks once each, "
+                         f"actual {len(rows)} entries")
+    return rows
+
+
+def _rows_left(tables: _PlanTables, written: Written, key: np.ndarray, at: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows of entries the line did not place (an empty chunk, a plan too large for one
+    line), key by key in Python: a few in a real plan."""
+    keys = tables.keys
+    for e in np.flatnonzero(rows < 0):
+        k, nd = int(key[e]), int(written.ndim[e])
+        if nd < 0 or keys[k, 0] != 0 or nd != keys[k, 2]:
+            raise ValueError(f"index: storage_data: {short(tables.names[k])}: expected an entry of the plan's kind")
+        offsets = written.offsets[at[e]:at[e] + nd]
+        for c in range(int(keys[k, 4]), int(keys[k, 4] + keys[k, 5])):
+            c_at = int(tables.chunks[c, 0])
+            if (tables.coords[c_at:c_at + nd] == offsets).all():
+                rows[e] = c
+                break
+        else:
+            raise ValueError(f"index: storage_data: {short(tables.names[k])}: an offset of no chunk of the plan")
+    return rows
 
 
 def _dtype_name(props: TensorProperties) -> str:
@@ -160,8 +197,8 @@ def _dtype_name(props: TensorProperties) -> str:
     return name
 
 
-def _transform(info: Any) -> int:
-    named = list(info.transform_descriptors or ())
+def _transform(descriptors: Any) -> int:
+    named = list(descriptors or ())
     if not named:
         return 0
     if named == [ZSTD]:
@@ -285,7 +322,7 @@ class CheckpointIndex:
         return self._hashes
 
 
-def _chunk_line(index: CheckpointIndex) -> tuple | None:
+def _chunk_line(index: Any) -> tuple | None:
     keys, dims = index.keys, index.dims
     nd = np.where(keys[:, 0] == 0, keys[:, 2], 0) if len(keys) else np.zeros(0, np.int64)
     stride = np.zeros(len(dims), np.int64)
@@ -579,33 +616,37 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
     return req[order], chunk[order]
 
 
-def _exact_pairs(index: CheckpointIndex, line: tuple, key: np.ndarray, at: np.ndarray, coords: np.ndarray,
-                 boxed: np.ndarray, knd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _exact_pairs(index: Any, line: tuple, key: np.ndarray, at: np.ndarray, coords: np.ndarray,
+                 boxed: np.ndarray, knd: np.ndarray, *, offsets_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(which of ``boxed`` are exactly a saved chunk of their key, those chunks): the chunk whose
     first element is the box's, found on the line, then compared. The chunks of a key are
     disjoint (checked), so such a box overlaps no other. An empty box is left to the others.
+    ``offsets_only``: ``coords`` holds offsets only (a save's entries), compared as such.
     Column by column: each a gather of one value per box."""
     base, starts, _, rows, stride, chunk_key = line
     hit, chunk = np.zeros(len(boxed), bool), np.zeros(len(boxed), np.int64)
     if not len(starts):
         return hit, chunk[:0]
     dims_at = np.ascontiguousarray(index.keys[:, 3])
-    for nd in np.unique(knd[boxed]):
+    groups = np.unique(knd[boxed])
+    for nd in groups:
         nd = int(nd)
-        mine = np.flatnonzero(knd[boxed] == nd) if len(np.unique(knd[boxed])) > 1 else np.arange(len(boxed))
+        mine = np.flatnonzero(knd[boxed] == nd) if len(groups) > 1 else np.arange(len(boxed))
         r = boxed[mine]
         k, first = key[r], at[r]
         ok, position = np.ones(len(r), bool), base[k]
         for j in range(nd):
-            offset, size, d = coords[first + j], coords[first + nd + j], dims_at[k] + j
-            ok &= (size > 0) & (offset + size <= index.dims[d])
+            offset, d = coords[first + j], dims_at[k] + j
+            if not offsets_only:
+                size = coords[first + nd + j]
+                ok &= (size > 0) & (offset + size <= index.dims[d])
             position = position + offset * stride[d]
         i = np.minimum(np.searchsorted(starts, position), len(starts) - 1)
         c = rows[i]
         same = np.flatnonzero(ok & (starts[i] == position) & (chunk_key[c] == k))
         r_first, c_first = first[same], index.chunks[c[same], 0]
         equal = np.ones(len(same), bool)
-        for j in range(2 * nd):
+        for j in range(nd if offsets_only else 2 * nd):
             equal &= index.coords[c_first + j] == coords[r_first + j]
         hit[mine[same[equal]]] = True
         chunk[mine] = c

@@ -34,7 +34,7 @@ import inspect
 import logging
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,7 @@ class KeptMetadata(Metadata):
 
     def __reduce__(self) -> tuple:
         # Counts only: a walk of storage_data would cost rank 0 seconds at 5,120 ranks, every save.
-        storage = self.storage_data if isinstance(self.storage_data, dict) else {}
+        storage = self.storage_data if isinstance(self.storage_data, Mapping) else {}
         return MetadataSummary, (len(self.state_dict_metadata or ()), len(storage), self.version)
 
     def __copy__(self) -> KeptMetadata:

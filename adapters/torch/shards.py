@@ -91,7 +91,9 @@ class DcpShardsMixin:
         mine: dict = dict(written)
         if self.comm.rank == 0:
             storage = getattr(metadata, "storage_data", None)
-            named = {info.relative_path for info in storage.values()} if isinstance(storage, dict) else set()
+            written = getattr(storage, "written", None)  # written.StorageEntries: its files, no walk
+            named = set(written.files) if written is not None else \
+                {info.relative_path for info in storage.values()} if isinstance(storage, dict) else set()
             for name in sorted(named | {".metadata"}):
                 if distcp_owner(name) is None:
                     mine.setdefault(name, None)

@@ -1,0 +1,315 @@
+"""``dumps_metadata`` (DCP's ``.metadata`` laid out by numpy): every unpickler reads it back to
+the Metadata ``pickle.dumps`` gives, and anything it does not reproduce goes to ``pickle.dumps``.
+Given the columns the ranks' write results arrive as (``written``), it reads back to the entries
+``StorageEntries.as_dict`` makes of them.
+
+Checkpoints are real single-process DCP saves: tensors of 0 to 3 dims, bytes entries, tensors
+saved in row chunks (a planner that splits them, as a sharded save would), zstd-compressed
+items; plain ``dcp.load`` reads them with our bytes in place of ``.metadata``. Metadata built by
+hand covers what one process cannot save: offsets past 2**32, many files, mixed index hints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from resume.adapters.dcp.metadata_pickle import dumps_metadata
+from resume.adapters.dcp.plan_cache import kept
+from resume.adapters.dcp.unpickle import restricted_load_metadata
+from resume.adapters.dcp.written import PackedWrites, StorageEntries, Written, written_of
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+ROWS = 3
+"""Rows per chunk of a tensor saved by ``RowChunks``."""
+
+
+class RowChunks(DefaultSavePlanner):
+    """Saves each tensor of 2 dims or more as chunks of ``ROWS`` rows, each its own item with
+    its own index hint: the entries a sharded save writes, from one process."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [chunk for item in plan.items for chunk in self._chunks(item)]
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    @staticmethod
+    def _chunks(item: WriteItem) -> list[WriteItem]:
+        if item.type != WriteItemType.TENSOR or len(item.tensor_data.size) < 2:
+            return [item]
+        size = item.tensor_data.size
+        chunks = []
+        for start in range(0, size[0], ROWS):
+            offsets = torch.Size([start] + [0] * (len(size) - 1))
+            sizes = torch.Size([min(ROWS, size[0] - start), *size[1:]])
+            data = TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                   properties=item.tensor_data.properties, size=size)
+            chunks.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                                    tensor_data=data))
+        return chunks
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type != WriteItemType.SHARD:
+            return super().resolve_data(write_item)
+        chunk = write_item.tensor_data.chunk
+        return self.lookup_object(MetadataIndex(write_item.index.fqn)).narrow(
+            0, chunk.offsets[0], chunk.sizes[0]).clone()
+
+
+def state() -> dict:
+    torch.manual_seed(0)
+    return {"model": {"scale": torch.tensor(1.5), "bias": torch.randn(5), "w": torch.randn(8, 4),
+                      "conv": torch.randn(7, 2, 3).to(torch.bfloat16), "mask": torch.rand(4, 4) > 0.5},
+            "step": 7, "run": "café"}
+
+
+def zeros() -> dict:
+    live = state()
+    model = {k: torch.zeros_like(v) for k, v in live["model"].items()}
+    return {"model": model, "step": 0, "run": ""}
+
+
+def save(path, *, chunked: bool = False, zstd: bool = False) -> Metadata:
+    extensions = None
+    if zstd:
+        from torch.distributed.checkpoint._extension import ZStandard
+        extensions = [ZStandard()]
+    writer = FileSystemWriter(str(path), _extensions=extensions)
+    return dcp.save(state(), storage_writer=writer, planner=RowChunks() if chunked else None, no_dist=True)
+
+
+def fields(metadata: Metadata) -> tuple:
+    """Every field, storage_data in order, each key's and value's attributes with their types."""
+    keys, values = list(metadata.storage_data), list(metadata.storage_data.values())
+    return (type(metadata), metadata.state_dict_metadata, metadata.planner_data, metadata.storage_meta,
+            metadata.version, vars(metadata).keys(), list(metadata.storage_data.items()),
+            [(type(k), vars(k), type(k.offset), k.index) for k in keys],
+            [(type(v), vars(v), v.transform_descriptors) for v in values])
+
+
+def assert_reads_back_alike(metadata: Metadata, *, file_sizes: dict | None = None) -> bytes:
+    """Ours is not the standard stream (the fast path ran), and both the plain unpickler and our
+    restricted one read it to what the standard stream reads to."""
+    ours, standard = dumps_metadata(metadata), pickle.dumps(metadata)
+    assert ours != standard, "expected the fast path, actual pickle.dumps' bytes"
+    expected = fields(pickle.loads(standard))
+    assert fields(pickle.loads(ours)) == expected
+    assert fields(restricted_load_metadata(ours, source="ours", file_sizes=file_sizes)) == expected
+    return ours
+
+
+def sizes(path) -> dict[str, int]:
+    return {n: os.path.getsize(path / n) for n in os.listdir(path) if n.endswith(".distcp")}
+
+
+@pytest.mark.parametrize("chunked, zstd", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["whole", "row-chunks", "zstd", "row-chunks-zstd"])
+def test_a_real_save_reads_back_alike_and_dcp_loads_it(tmp_path, chunked, zstd):
+    saved = save(tmp_path, chunked=chunked, zstd=zstd)
+    on_disk = pickle.loads((tmp_path / ".metadata").read_bytes())  # as a later process reads it
+    for metadata in (saved, on_disk):
+        ours = assert_reads_back_alike(metadata, file_sizes=sizes(tmp_path))
+    assert any(k.offset == torch.Size([]) for k in on_disk.storage_data)  # the 0-d tensor
+    assert any(k.offset is None and k.index is None for k in on_disk.storage_data)  # bytes entries
+    if chunked:
+        assert sum(k.fqn == "model.w" for k in on_disk.storage_data) == 3
+    if zstd:
+        assert all(v.transform_descriptors for v in on_disk.storage_data.values())
+    (tmp_path / ".metadata").write_bytes(ours)
+    target = zeros()
+    dcp.load(target, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    live = state()
+    assert (target["step"], target["run"]) == (7, "café")
+    for name, tensor in live["model"].items():
+        assert torch.equal(target["model"][name], tensor), name
+
+
+def by_hand(files: int = 40, chunks: int = 6) -> Metadata:
+    """Two tensors in many chunks over many files, offsets past 2**32 (in the tensor and in the
+    file), a 1-d tensor without index hints, a bytes entry: what no single process saves."""
+    big, flat = 2**33, 2**34
+    entries = {"big.w": TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([big, 4]), []),
+               "flat": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([flat]), []),
+               "extra": BytesStorageMetadata()}
+    storage, position = {}, dict.fromkeys(range(files), 2**32 + 17)
+    for i in range(chunks * files):
+        rows = big // (chunks * files)
+        offset = torch.Size([i * rows, 0])
+        entries["big.w"].chunks.append(ChunkStorageMetadata(offset, torch.Size([rows, 4])))
+        f = i % files
+        storage[MetadataIndex("big.w", offset, i)] = _StorageInfo(f"__{f}_0.distcp", position[f], rows * 4)
+        position[f] += rows * 4
+        if i % chunks == 0:
+            part = flat // files
+            chunk = ChunkStorageMetadata(torch.Size([i // chunks * part]), torch.Size([part]))
+            entries["flat"].chunks.append(chunk)
+            storage[MetadataIndex("flat", chunk.offsets)] = _StorageInfo(f"__{f}_1.distcp", 3, part * 4)
+    storage[MetadataIndex("extra")] = _StorageInfo("__0_0.distcp", 0, 9)
+    return Metadata(entries, planner_data={"big.w": ("big", "w")}, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id="/ckpt", save_id="s1", modules=["m"]), version="1.0.0")
+
+
+def test_metadata_by_hand_with_large_offsets_and_many_files_reads_back_alike():
+    metadata = by_hand()
+    assert_reads_back_alike(metadata)
+    # unpickled as rank 0 holds DCP's write results: keys and values made by the unpickler
+    assert_reads_back_alike(pickle.loads(pickle.dumps(metadata)))
+
+
+def test_descriptors_of_several_kinds_and_odd_strings_read_back_alike():
+    """Transform descriptors on some entries only and of two kinds, a name no codec but
+    surrogatepass encodes, an empty name, a key whose offset was set to None explicitly."""
+    metadata = by_hand(files=3, chunks=2)
+    items = list(metadata.storage_data.items())
+    for i, (_, value) in enumerate(items):
+        value.transform_descriptors = [None, ["stream.zstd/1"], ["a", "b"]][i % 3]
+    odd = MetadataIndex("\udcff odd")
+    object.__setattr__(odd, "offset", None)
+    items += [(odd, _StorageInfo("", -1, 2**63 - 1)), (MetadataIndex("", torch.Size([0]), 0), _StorageInfo("x", 0, 0))]
+    metadata.storage_data = dict(items)
+    ours = dumps_metadata(metadata)
+    assert ours != pickle.dumps(metadata)
+    assert fields(pickle.loads(ours)) == fields(pickle.loads(pickle.dumps(metadata)))
+
+
+def test_a_large_payload_in_the_head_is_extended_past():
+    """A value of 64 KiB or more in the rest of the metadata: protocol 4 writes it between frames."""
+    metadata = by_hand(files=2, chunks=2)
+    metadata.planner_data = {"blob": b"x" * (1 << 17), "text": "y" * (1 << 17)}
+    ours = dumps_metadata(metadata)
+    assert ours != pickle.dumps(metadata)
+    assert fields(pickle.loads(ours)) == fields(pickle.loads(pickle.dumps(metadata)))
+
+
+class OtherInfo(_StorageInfo):
+    """A storage value of another type: the records would write it as a _StorageInfo."""
+
+
+def _other_value(m: Metadata) -> None:
+    key = next(iter(m.storage_data))
+    m.storage_data[key] = OtherInfo(**vars(m.storage_data[key]))
+
+
+def _extra_attribute(m: Metadata) -> None:
+    object.__setattr__(next(iter(m.storage_data)), "note", 1)
+
+
+def _attribute_in_place_of_offset(m: Metadata) -> None:
+    key = MetadataIndex("extra")  # no offset: its __dict__ holds fqn and index
+    object.__setattr__(key, "note", torch.Size([1]))
+    m.storage_data[key] = m.storage_data.pop(key)
+
+
+def _bool_offset(m: Metadata) -> None:
+    next(iter(m.storage_data.values())).offset = True
+
+
+def _numpy_dim(m: Metadata) -> None:
+    import numpy as np
+    key = next(iter(m.storage_data))
+    m.storage_data[MetadataIndex(key.fqn, torch.Size([np.int64(0), 0]), 1)] = m.storage_data.pop(key)
+
+
+def _past_64_bits(m: Metadata) -> None:
+    next(iter(m.storage_data.values())).length = 2**64
+
+
+def _tuple_descriptors(m: Metadata) -> None:
+    next(iter(m.storage_data.values())).transform_descriptors = ("stream.zstd/1",)
+
+
+def _shared_storage(m: Metadata) -> None:
+    m.planner_data = {"storage": m.storage_data}
+
+
+def _kept(m: Metadata) -> Metadata:
+    return kept(m)
+
+
+@pytest.mark.parametrize("surprise", [_other_value, _extra_attribute, _attribute_in_place_of_offset,
+                                      _bool_offset, _numpy_dim, _past_64_bits,
+                                      _tuple_descriptors, _shared_storage, _kept])
+def test_anything_the_records_do_not_reproduce_is_pickled_by_pickle(surprise):
+    metadata = by_hand(files=2, chunks=2)
+    metadata = surprise(metadata) or metadata
+    standard = pickle.dumps(metadata)
+    assert dumps_metadata(metadata) == standard
+
+
+def test_a_storage_value_of_a_subclass_round_trips_as_itself():
+    metadata = by_hand(files=2, chunks=2)
+    _other_value(metadata)
+    loaded = pickle.loads(dumps_metadata(metadata))
+    assert fields(loaded) == fields(pickle.loads(pickle.dumps(metadata)))
+    assert type(next(iter(loaded.storage_data.values()))) is OtherInfo
+
+
+def test_empty_or_absent_storage_data_is_pickled_by_pickle():
+    for storage in ({}, None):
+        metadata = Metadata({}, storage_data=storage)
+        assert dumps_metadata(metadata) == pickle.dumps(metadata)
+
+
+# -- from the columns the write results arrive as ---------------------------------------------------
+
+def gathered(metadata: Metadata) -> Written:
+    """``storage_data`` as rank 0 receives it: each file's write results packed by its rank,
+    pickled, and joined."""
+    by_file: dict[str, list] = {}
+    for key, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append(WriteResult(key, info.length, info))
+    return written_of([pickle.loads(pickle.dumps(PackedWrites(results))) for results in by_file.values()])
+
+
+def with_storage(metadata: Metadata, storage) -> Metadata:
+    other = Metadata.__new__(Metadata)
+    vars(other).update(vars(metadata))
+    other.storage_data = storage
+    return other
+
+
+def assert_columns_read_back_alike(metadata: Metadata, *, file_sizes: dict | None = None) -> None:
+    written = gathered(metadata)
+    standard = pickle.dumps(with_storage(metadata, StorageEntries(written).as_dict()))
+    ours = dumps_metadata(with_storage(metadata, StorageEntries(written)), written)
+    assert ours != standard, "expected the fast path, actual pickle.dumps' bytes"
+    expected = fields(pickle.loads(standard))
+    assert fields(pickle.loads(ours)) == expected
+    assert fields(restricted_load_metadata(ours, source="ours", file_sizes=file_sizes)) == expected
+
+
+@pytest.mark.parametrize("chunked, zstd", [(True, False), (True, True)], ids=["row-chunks", "row-chunks-zstd"])
+def test_the_columns_of_a_real_save_read_back_as_its_entries(tmp_path, chunked, zstd):
+    save(tmp_path, chunked=chunked, zstd=zstd)
+    assert_columns_read_back_alike(pickle.loads((tmp_path / ".metadata").read_bytes()), file_sizes=sizes(tmp_path))
+
+
+def test_the_columns_of_metadata_by_hand_read_back_as_its_entries():
+    assert_columns_read_back_alike(by_hand())
+
+
+def test_columns_the_records_do_not_reproduce_are_pickled_as_their_entries():
+    metadata = by_hand(files=2, chunks=2)
+    written = gathered(metadata)
+    written.transforms = [("stream.zstd/1",)] * len(written)  # a tuple: pickled as one, not as a list
+    entries = StorageEntries(written)
+    assert dumps_metadata(with_storage(metadata, entries), written) == pickle.dumps(
+        with_storage(metadata, entries.as_dict()))
