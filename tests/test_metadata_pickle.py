@@ -174,16 +174,19 @@ def test_metadata_by_hand_with_large_offsets_and_many_files_reads_back_alike():
     assert_reads_back_alike(pickle.loads(pickle.dumps(metadata)))
 
 
-def test_descriptors_of_several_kinds_and_odd_strings_read_back_alike():
+@pytest.mark.parametrize("length", [-5, -(2**40)], ids=["int32", "int64"])
+def test_descriptors_of_several_kinds_and_odd_values_read_back_alike(length):
     """Transform descriptors on some entries only and of two kinds, a name no codec but
-    surrogatepass encodes, an empty name, a key whose offset was set to None explicitly."""
+    surrogatepass encodes, an empty name, a key whose offset was set to None explicitly,
+    negative ints and the largest (in the records padded to one width: sign-extended)."""
     metadata = by_hand(files=3, chunks=2)
     items = list(metadata.storage_data.items())
     for i, (_, value) in enumerate(items):
         value.transform_descriptors = [None, ["stream.zstd/1"], ["a", "b"]][i % 3]
     odd = MetadataIndex("\udcff odd")
     object.__setattr__(odd, "offset", None)
-    items += [(odd, _StorageInfo("", -1, 2**63 - 1)), (MetadataIndex("", torch.Size([0]), 0), _StorageInfo("x", 0, 0))]
+    biggest = 2**63 - 1 if length < -(2**31) else 2**31 - 1
+    items += [(odd, _StorageInfo("", -1, length)), (MetadataIndex("", torch.Size([0]), 0), _StorageInfo("x", 0, biggest))]
     metadata.storage_data = dict(items)
     ours = dumps_metadata(metadata)
     assert ours != pickle.dumps(metadata)

@@ -5,7 +5,8 @@ all of it in ``storage_data`` (one ``MetadataIndex -> _StorageInfo`` per chunk w
 standard pickler walks millions of small objects one by one. ``dumps_metadata`` writes the
 same objects with the same opcodes the standard pickler would (``__newobj__`` + ``BUILD`` of
 the same state dicts, ``torch.Size`` by ``REDUCE``), only the bytes of ``storage_data`` are
-laid out by numpy from a few fixed-width record templates, one per shape of entry::
+laid out by numpy from a few record templates, one per shape of entry (ndim of the offset,
+index or None, descriptors), all padded to one width by a longer LONG1 for the length::
 
     <the Metadata pickled with storage_data = an empty dict P, its STOP dropped>
     LONG_BINGET P  MARK <classes, field names, distinct strings, memoized> POP_MARK
@@ -337,10 +338,13 @@ class _Entries:
         """The entries, each given the shape (the template) its key offset, index and
         descriptors make."""
         combined = ((offset_code + 2) * 2 + columns["has_index"]) * (len(descriptors) + 1) + descriptor_code
-        _, first, shape = np.unique(combined, return_index=True, return_inverse=True)
+        present = np.flatnonzero(np.bincount(combined))  # a few small codes: no sort of n entries
+        number = np.zeros(len(present) and int(present[-1]) + 1, np.int64)
+        number[present] = np.arange(len(present))
+        first = [int(np.argmax(combined == code)) for code in present]
         shapes = [(int(offset_code[i]), bool(columns["has_index"][i]),
                    descriptors[descriptor_code[i] - 1] if descriptor_code[i] else None) for i in first]
-        return cls(shapes, shape.reshape(-1), columns, list(table))
+        return cls(shapes, number[combined], columns, list(table))
 
     def column(self, name: str | int, rows: np.ndarray) -> np.ndarray:
         """One field of ``rows``; an int: that dimension of the key offset."""
@@ -448,9 +452,21 @@ class _Memo:
         return _ref(self.first_string + self.codes[text])
 
 
-_FIELD_KINDS = {"ref": (pickle.LONG_BINGET, "<u4"), "int32": (pickle.BININT, "<i4"),
-                "int64": (pickle.LONG1 + b"\x08", "<i8")}
-"""A field's opcode and the width of what follows: a memo reference (a string), an int."""
+_OPCODES = {"ref": pickle.LONG_BINGET, "int32": pickle.BININT, "int64": pickle.LONG1 + b"\x08"}
+"""A field's opcode: a memo reference (a string), an int; an int n: LONG1 of n bytes."""
+
+
+def _encoded(values: np.ndarray, kind: str | int) -> np.ndarray:
+    """``values`` as the bytes that follow a field's opcode, one row each. LONG1 of n bytes is
+    the value in two's complement, sign-extended past 8 bytes (any n at least its width)."""
+    if kind in ("ref", "int32"):
+        return values.astype("<u4" if kind == "ref" else "<i4").view(np.uint8).reshape(-1, 4)
+    wide = values.astype("<i8").view(np.uint8).reshape(-1, 8)
+    size = 8 if kind == "int64" else int(kind)
+    if size <= 8:
+        return wide[:, :size]
+    sign = np.where(values < 0, 255, 0).astype(np.uint8)
+    return np.concatenate([wide, np.repeat(sign[:, None], size - 8, axis=1)], axis=1)
 
 
 class _Template:
@@ -458,29 +474,37 @@ class _Template:
 
     def __init__(self) -> None:
         self.bytes = bytearray()
-        self.fields: list[tuple[int, str | int, str]] = []
+        self.fields: list[tuple[int, str | int, str | int]] = []
 
     def add(self, *parts: bytes) -> None:
         for part in parts:
             self.bytes += part
 
-    def field(self, column: str | int, kind: str) -> None:
-        opcode, dtype = _FIELD_KINDS[kind]
-        self.bytes += opcode
-        self.fields.append((len(self.bytes), column, dtype))
-        self.bytes += bytes(np.dtype(dtype).itemsize)
+    def field(self, column: str | int, kind: str | int) -> None:
+        self.bytes += _OPCODES[kind] if isinstance(kind, str) else pickle.LONG1 + bytes([kind])
+        self.fields.append((len(self.bytes), column, kind))
+        self.bytes += bytes(4 if kind in ("ref", "int32") else 8 if kind == "int64" else int(kind))
 
     def fill(self, entries: _Entries, rows: np.ndarray, first_string: int) -> np.ndarray:
         """The records of ``rows``, one a row."""
         out = np.empty((len(rows), len(self.bytes)), np.uint8)
         out[:] = np.frombuffer(bytes(self.bytes), np.uint8)
-        for position, column, dtype in self.fields:
+        for position, column, kind in self.fields:
             values = entries.column(column, rows)
-            if dtype == "<u4":
-                values = values + first_string
-            width = np.dtype(dtype).itemsize
-            out[:, position:position + width] = values.astype(dtype).view(np.uint8).reshape(len(rows), width)
+            encoded = _encoded(values + first_string if kind == "ref" else values, kind)
+            out[:, position:position + encoded.shape[1]] = encoded
         return out
+
+
+def _padded(kind: str, pad: int) -> str | int:
+    """An int field's kind made ``pad`` bytes longer: LONG1 of more bytes, which reads back
+    the same int (BININT's 5 bytes are LONG1's 2 and at least 3 more)."""
+    if pad == 0:
+        return kind
+    size = (3 if kind == "int32" else 8) + pad
+    if size > 255:
+        raise ValueError("records too unlike to pad")
+    return size
 
 
 def _int_kinds(entries: _Entries) -> dict[str, str]:
@@ -513,9 +537,11 @@ def _key_template(template: _Template, shape: tuple[int, bool, Any], memo: _Memo
     template.add(pickle.SETITEMS, pickle.BUILD)
 
 
-def _value_template(template: _Template, shape: tuple[int, bool, Any], memo: _Memo, kinds: dict[str, str]) -> None:
+def _value_template(template: _Template, shape: tuple[int, bool, Any], memo: _Memo, kinds: dict[str, str],
+                    pad: int) -> None:
     """A ``_StorageInfo`` as the standard pickler writes it: ``__newobj__``, then BUILD of
-    its ``__getstate__`` (the fields not None; the descriptors a list)."""
+    its ``__getstate__`` (the fields not None; the descriptors a list); its length ``pad``
+    bytes longer (``_padded``)."""
     descriptors = shape[2]
     template.add(memo.cls(_StorageInfo), pickle.EMPTY_TUPLE, pickle.NEWOBJ, pickle.EMPTY_DICT, pickle.MARK,
                  memo.string("relative_path"))
@@ -523,32 +549,39 @@ def _value_template(template: _Template, shape: tuple[int, bool, Any], memo: _Me
     template.add(memo.string("offset"))
     template.field("value_offset", kinds["value_offset"])
     template.add(memo.string("length"))
-    template.field("length", kinds["length"])
+    template.field("length", _padded(kinds["length"], pad))
     if descriptors is not None:
         template.add(memo.string("transform_descriptors"), pickle.EMPTY_LIST, pickle.MARK,
                      *map(memo.string, descriptors), pickle.APPENDS)
     template.add(pickle.SETITEMS, pickle.BUILD)
 
 
-def _records(entries: _Entries, memo: _Memo) -> list[bytes]:
-    """Every entry's key and value records, in ``storage_data``'s order: per block of entries,
-    each shape's records are written into the rows of a table as wide as the longest, whose
-    padding a mask then drops."""
+def _records(entries: _Entries, memo: _Memo) -> list[Any]:
+    """Every entry's key and value records, in ``storage_data``'s order. Each shape's records
+    are padded to one width (the longest; ``_padded``), so a block of entries is a table whose
+    rows are the records: each shape's records are written into its rows."""
     kinds = _int_kinds(entries)
-    templates = []
-    for shape in entries.shapes:
-        template = _Template()
-        _key_template(template, shape, memo, kinds)
-        _value_template(template, shape, memo, kinds)
-        templates.append(template)
-    lengths = np.array([len(template.bytes) for template in templates], np.int64)
-    width, out = int(lengths.max()), []
+    templates = [_template(shape, memo, kinds, 0) for shape in entries.shapes]
+    width = max(len(template.bytes) for template in templates)
+    templates = [_template(shape, memo, kinds, width - len(template.bytes))
+                 for shape, template in zip(entries.shapes, templates, strict=True)]
+    out: list[Any] = []
     for first in range(0, len(entries.shape), _BLOCK):
         shape = entries.shape[first:first + _BLOCK]
+        codes = np.flatnonzero(np.bincount(shape, minlength=len(templates)))
+        if len(codes) == 1:  # one shape: its records are the block
+            out.append(templates[codes[0]].fill(entries, np.arange(first, first + len(shape)), memo.first_string))
+            continue
         table = np.empty((len(shape), width), np.uint8)
-        for code, template in enumerate(templates):
+        for code in codes:
             rows = np.flatnonzero(shape == code)
-            if rows.size:
-                table[rows, :len(template.bytes)] = template.fill(entries, rows + first, memo.first_string)
-        out.append(table[np.arange(width) < lengths[shape][:, None]].tobytes())
+            table[rows] = templates[code].fill(entries, rows + first, memo.first_string)
+        out.append(table)
     return out
+
+
+def _template(shape: tuple[int, bool, Any], memo: _Memo, kinds: dict[str, str], pad: int) -> _Template:
+    template = _Template()
+    _key_template(template, shape, memo, kinds)
+    _value_template(template, shape, memo, kinds, pad)
+    return template
