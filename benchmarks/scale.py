@@ -756,10 +756,10 @@ def local_plans(layout: Layout, tensors: int) -> list[SavePlan]:
             for dp in range(layout.dp):
                 items = list(model)  # replicated over DP: equal items on every replica
                 offset = torch.Size([tp * flat + dp * shard])
-                chunk = ChunkStorageMetadata(offset, opt_chunk)
-                data = TensorWriteData(chunk=chunk, properties=f32, size=opt_size)
                 for n in names:
-                    for kind in KINDS:
+                    for kind in KINDS:  # an object each, as DCP's planner makes them
+                        data = TensorWriteData(chunk=ChunkStorageMetadata(offset, opt_chunk), properties=f32,
+                                               size=opt_size)
                         items.append(WriteItem(index=MetadataIndex(f"optimizer.state.{kind}.{n}", offset),
                                                type=WriteItemType.SHARD, tensor_data=data))
                 rank = tp + layout.tp * (dp + layout.dp * pp)
@@ -866,6 +866,8 @@ def dcp_figures(layout: Layout, tensors: int, root: str) -> dict:
     if wrong:
         raise RuntimeError(f"index requests of ranks {wrong}: expected what requests_for makes of their state")
     local_bytes = len(pickle.dumps(plans[-1], protocol=pickle.HIGHEST_PROTOCOL))
+    # What DCP's gather gives rank 0: each rank's plan unpickled, objects of its own.
+    plans = [pickle.loads(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in plans]
     # The planner NativeTorchAdapter saves with (adapters/dcp/plan_cache.py): DCP's caching,
     # reused only for plans equal in every field.
     key = f"scale-{layout.ranks}"
@@ -917,7 +919,7 @@ def write_metadata(layout: Layout, root: str, global_plan: list[SavePlan], metad
     # The next save of the same plan: the same items, their results gathered again (new objects).
     later = _write_step(root, results, metadata, f"dcp-{layout.ranks}")
     shutil.rmtree(os.path.join(root, f"dcp-{layout.ranks}-first"), ignore_errors=True)
-    plain = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in results]
+    plain = [pickle.dumps(list(r), protocol=pickle.HIGHEST_PROTOCOL) for r in results]  # DCP's own writer's
     started = time.perf_counter()
     for blob in plain:
         pickle.loads(blob)

@@ -75,7 +75,7 @@ def _number(value: float) -> str:
 
 # -- measured: update these after a new run of benchmarks/scale.py ------------------------------
 
-MEASURED_BY = ("python benchmarks/scale.py --ranks 64,640,5120 --json (2-core VM, torch 2.13.0+cpu), "
+MEASURED_BY = ("python benchmarks/scale.py --ranks 640,5120 --json (2-core VM, torch 2.13.0+cpu), "
                "at 5,120 ranks")
 
 
@@ -102,8 +102,12 @@ class Measured:
     (rank0_restore_s)."""
     metadata_mib: float
     """DCP's ``.metadata`` for the reference layout (metadata_bytes)."""
+    results_gather_s: float
+    """Rank 0 unpickling every rank's write results at the end of a save, packed as the adapter's
+    writer sends them (results_gather_s)."""
     metadata_write_s: float
-    """Rank 0 writing ``.metadata`` at every save, as DCP does (metadata_write_s)."""
+    """Rank 0 writing ``.metadata`` at every save, laid out from those results' columns
+    (metadata_write_s)."""
     index_mib: float
     """The index, ``index.resume``, for the reference layout (index_bytes)."""
     index_write_s: float
@@ -142,13 +146,13 @@ class Measured:
     every other rank, of the object rank 0 sends."""
 
 
-MEASURED = Measured(save_control_plane_s=0.991, save_gather_s=0.413, save_received_bytes=290,
-                    manifest_parse_s=0.088, discovery_s=0.112, restore_control_plane_s=1.6,
-                    metadata_mib=612.7, metadata_write_s=40.7, index_mib=207.3, index_write_s=4.48,
-                    index_write_first_s=25.0, index_rank0_s=9.44, index_other_rank_s=0.019, dcp_plan_s=94.0,
-                    dcp_plan_cached_s=0.0002, load_plan_s=0.017, load_plan_full_metadata_s=0.24,
-                    restore_received_kib=1373.0, metadata_restricted_s=208.0, metadata_pickle_s=37.8,
-                    metadata_unpickle_s=44.2)
+MEASURED = Measured(save_control_plane_s=0.811, save_gather_s=0.284, save_received_bytes=290,
+                    manifest_parse_s=0.052, discovery_s=0.096, restore_control_plane_s=1.33,
+                    metadata_mib=461.2, results_gather_s=0.62, metadata_write_s=31.2, index_mib=207.3,
+                    index_write_s=1.34, index_write_first_s=8.4, index_rank0_s=5.17, index_other_rank_s=0.022,
+                    dcp_plan_s=87.0, dcp_plan_cached_s=0.0004, load_plan_s=0.019, load_plan_full_metadata_s=0.225,
+                    restore_received_kib=1372.7, metadata_restricted_s=288.0, metadata_pickle_s=50.2,
+                    metadata_unpickle_s=88.6)
 
 
 # -- assumed: the inputs -------------------------------------------------------------------------
@@ -218,6 +222,7 @@ LABELS = {
     "manifest_parse": "manifest parse",
     "restore_control_plane": "rank 0 restore without shard I/O and the index",
     "metadata": "DCP `.metadata` size",
+    "results_gather": "write results gathered to rank 0 at each save",
     "metadata_write": "`.metadata` written by rank 0 at each save",
     "index": "index (`index.resume`) size",
     "index_write": "index written by rank 0 at each save",
@@ -284,8 +289,11 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     f["metadata"] = Figure(m.metadata_mib, "MiB", (
         f"{by} metadata_bytes (still written at every save, for dcp.load and other tools; a "
         f"restore reads the index instead)"))
+    f["results_gather"] = Figure(m.results_gather_s, "s", (
+        f"{by} results_gather_s (every rank's write results, packed as arrays, unpickled on rank 0 "
+        f"at the end of the save, before the commit)"))
     f["metadata_write"] = Figure(m.metadata_write_s, "s", (
-        f"{by} metadata_write_s (DCP's own write of .metadata, pickled from the whole Metadata; "
+        f"{by} metadata_write_s (.metadata, laid out from the results' columns by dumps_metadata; "
         f"in the save, before the commit)"))
     f["index"] = Figure(m.index_mib, "MiB", f"{by} index_bytes")
     f["index_write"] = Figure(m.index_write_s, "s", (
@@ -315,15 +323,15 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     staging_s = (model_shard + optimizer_shard) / (i.d2h_gbs * GB)
     f["staging"] = Figure(staging_s, "s", (
         f"computed: {f['staged_per_rank'].shown()} / {_number(i.d2h_gbs)} GB/s, every GPU at once"))
-    finish_s = m.metadata_write_s + m.index_write_s  # rank 0 in DCP's finish; every rank waits
+    finish_s = m.results_gather_s + m.metadata_write_s + m.index_write_s  # rank 0; every rank waits
     sync_s = m.save_control_plane_s + m.dcp_plan_cached_s + write_s + finish_s
     f["stall_sync"] = Figure(sync_s, "s", (
         f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan, cached "
-        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0 writing .metadata "
-        f"{_number(m.metadata_write_s)} and the index {_number(m.index_write_s)} s (DCP's end-of-save "
-        f"broadcast carries a summary, not the Metadata); a process's first save plans uncached and "
-        f"encodes the index in full: + {_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + "
-        f"{_number(m.index_write_first_s - m.index_write_s)} s"))
+        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0 gathering the write "
+        f"results {_number(m.results_gather_s)}, writing .metadata {_number(m.metadata_write_s)} and "
+        f"the index {_number(m.index_write_s)} s (DCP's end-of-save broadcast carries a summary, not "
+        f"the Metadata); a process's first save plans uncached and builds the index's plan tables: + "
+        f"{_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + {_number(m.index_write_first_s - m.index_write_s)} s"))
     async_s = m.save_gather_s + staging_s
     f["stall_async"] = Figure(async_s, "s", (
         f"computed: gather and assembly {_number(m.save_gather_s)} + staging copy {_number(staging_s)} s "
@@ -332,7 +340,7 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     background_s = m.dcp_plan_cached_s + write_s + finish_s + m.save_control_plane_s
     f["async_background"] = Figure(background_s, "s", (
         f"computed: DCP plan, cached {_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + "
-        f"rank 0 writing .metadata and the index {_number(finish_s)} + control plane "
+        f"rank 0's end of the save (results, .metadata, index) {_number(finish_s)} + control plane "
         f"{_number(m.save_control_plane_s)} s; the asynchronous stall holds while the checkpoint "
         f"interval is longer than this"))
 
