@@ -51,8 +51,8 @@ from resume.text import short
 from .metadata_check import MAX_NAME
 from .written import Written, columns_of
 
-__all__ = ["INDEX_FILE", "CheckpointIndex", "Requests", "SubIndex", "encode_index", "partial_metadata",
-           "requests_for"]
+__all__ = ["INDEX_FILE", "CheckpointIndex", "PlanTables", "Requests", "SubIndex", "encode_index", "partial_metadata",
+           "plan_tables", "requests_for"]
 
 INDEX_FILE = "index.resume"
 MAGIC = b"RESUMEIX"
@@ -85,7 +85,7 @@ def encode_index(metadata: Metadata, written: Written | None = None) -> bytes:
     What depends on the plan alone (names, shapes, chunks, each chunk's place on one line of
     every tensor's elements) is kept for the next save of the same plan (DCP's plan cache
     hands back the same objects); each save places its entries on that line, vectorized."""
-    tables = _plan_tables(metadata.state_dict_metadata)
+    tables = plan_tables(metadata.state_dict_metadata)
     written = columns_of(metadata.storage_data) if written is None else written
     rows = _entry_rows(tables, written)
     chunks = tables.chunks.copy()
@@ -99,7 +99,11 @@ def encode_index(metadata: Metadata, written: Written | None = None) -> bytes:
 
 
 @dataclass
-class _PlanTables:
+class PlanTables:
+    """A plan's (``state_dict_metadata``'s) keys and chunks as arrays, in its order: each key's
+    row (kind, dtype, ndim, dims start, first chunk row, chunk count, flags), each chunk's row
+    (coords start, then the storage columns a save fills), every chunk's offsets then sizes."""
+
     plan: Any
     """The ``state_dict_metadata`` these were made from (held: its identity is the cache key)."""
     names: list[str]
@@ -113,10 +117,13 @@ class _PlanTables:
     """``_chunk_line`` of these tables (None: too many elements for one line)."""
 
 
-_LAST_PLAN: list[_PlanTables] = []
+_LAST_PLAN: list[PlanTables] = []
 
 
-def _plan_tables(plan: Mapping[str, Any]) -> _PlanTables:
+def plan_tables(plan: Mapping[str, Any]) -> PlanTables:
+    """``plan``'s tables, kept for the next call with the same object (DCP's plan cache hands
+    back the same ``state_dict_metadata`` at every save of a plan). ValueError where the index
+    cannot say a key (``_dtype_name``)."""
     if _LAST_PLAN and _LAST_PLAN[0].plan is plan:
         return _LAST_PLAN[0]
     dtypes: dict[str, int] = {}
@@ -137,14 +144,14 @@ def _plan_tables(plan: Mapping[str, Any]) -> _PlanTables:
             coords.extend(chunk.sizes)
     chunks = np.zeros((len(chunk_rows), 5), np.int64)
     chunks[:, 0] = chunk_rows
-    tables = _PlanTables(plan, list(plan), list(dtypes), np.array(key_rows, np.int64).reshape(-1, 7),
+    tables = PlanTables(plan, list(plan), list(dtypes), np.array(key_rows, np.int64).reshape(-1, 7),
                          np.array(dims, np.int64), chunks, np.array(coords, np.int64))
     tables.line = _chunk_line(tables)
     _LAST_PLAN[:] = [tables]
     return tables
 
 
-def _entry_rows(tables: _PlanTables, written: Written) -> np.ndarray:
+def _entry_rows(tables: PlanTables, written: Written) -> np.ndarray:
     """Each written entry's chunk row: an object's key's one row; a tensor chunk's found by its
     key and first element on the line, its offsets then compared. ValueError unless the entries
     are the plan's chunks, each once."""
@@ -170,7 +177,7 @@ def _entry_rows(tables: _PlanTables, written: Written) -> np.ndarray:
     return rows
 
 
-def _rows_left(tables: _PlanTables, written: Written, key: np.ndarray, at: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def _rows_left(tables: PlanTables, written: Written, key: np.ndarray, at: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rows of entries the line did not place (an empty chunk, a plan too large for one
     line), key by key in Python: a few in a real plan."""
     keys = tables.keys
