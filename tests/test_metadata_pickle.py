@@ -96,10 +96,23 @@ def save(path, *, chunked: bool = False, zstd: bool = False) -> Metadata:
     return dcp.save(state(), storage_writer=writer, planner=RowChunks() if chunked else None, no_dist=True)
 
 
+def plan_fields(plan: dict) -> list:
+    """Each entry of ``state_dict_metadata``, in order, with the types a comparison by ``==``
+    does not see (a ``torch.Size`` equals its tuple): its own, its chunk list's, each chunk's
+    and its offsets' and sizes'."""
+    out = []
+    for name, entry in plan.items():
+        chunks = getattr(entry, "chunks", None)
+        out.append((name, type(entry), list(vars(entry)), type(chunks),
+                    [(type(c), vars(c), type(c.offsets), type(c.sizes)) for c in chunks or []]))
+    return out
+
+
 def fields(metadata: Metadata) -> tuple:
     """Every field, storage_data in order, each key's and value's attributes with their types."""
     keys, values = list(metadata.storage_data), list(metadata.storage_data.values())
-    return (type(metadata), metadata.state_dict_metadata, metadata.planner_data, metadata.storage_meta,
+    return (type(metadata), metadata.state_dict_metadata, plan_fields(metadata.state_dict_metadata),
+            metadata.planner_data, metadata.storage_meta,
             metadata.version, vars(metadata).keys(), list(metadata.storage_data.items()),
             [(type(k), vars(k), type(k.offset), k.index) for k in keys],
             [(type(v), vars(v), v.transform_descriptors) for v in values])
@@ -114,6 +127,19 @@ def assert_reads_back_alike(metadata: Metadata, *, file_sizes: dict | None = Non
     assert fields(pickle.loads(ours)) == expected
     assert fields(restricted_load_metadata(ours, source="ours", file_sizes=file_sizes)) == expected
     return ours
+
+
+def assert_read_alike(ours: bytes, standard: bytes) -> None:
+    """Both unpicklers read ``ours`` as they read ``standard``: the plain one to equal fields,
+    the restricted one to equal fields or the same refusal."""
+    assert fields(pickle.loads(ours)) == fields(pickle.loads(standard))
+    try:
+        expected = fields(restricted_load_metadata(standard, source="standard"))
+    except Exception as e:  # noqa: BLE001 - a class or value it refuses: ours is refused alike
+        with pytest.raises(type(e)):
+            restricted_load_metadata(ours, source="ours")
+    else:
+        assert fields(restricted_load_metadata(ours, source="ours")) == expected
 
 
 def sizes(path) -> dict[str, int]:
@@ -249,12 +275,77 @@ def _kept(m: Metadata) -> Metadata:
 
 @pytest.mark.parametrize("surprise", [_other_value, _extra_attribute, _attribute_in_place_of_offset,
                                       _bool_offset, _numpy_dim, _past_64_bits,
-                                      _tuple_descriptors, _shared_storage, _kept])
-def test_anything_the_records_do_not_reproduce_is_pickled_by_pickle(surprise):
+                                      _tuple_descriptors])
+def test_storage_entries_the_records_do_not_reproduce_are_pickled_by_pickle(surprise):
+    """``storage_data`` goes in the head, whole, by the standard pickler; the chunk lists are
+    still laid out."""
+    metadata = by_hand(files=2, chunks=2)
+    surprise(metadata)
+    ours, standard = dumps_metadata(metadata), pickle.dumps(metadata)
+    assert ours != standard
+    assert_read_alike(ours, standard)
+
+
+class OtherChunk(ChunkStorageMetadata):
+    """A chunk of another type: the records would write it as a ChunkStorageMetadata."""
+
+
+def _other_chunk(m: Metadata) -> None:
+    chunks = m.state_dict_metadata["flat"].chunks
+    chunks[1] = OtherChunk(chunks[1].offsets, chunks[1].sizes)
+
+
+def _chunk_attribute(m: Metadata) -> None:
+    m.state_dict_metadata["flat"].chunks[0].note = 1
+
+
+def _tuple_offsets(m: Metadata) -> None:
+    m.state_dict_metadata["flat"].chunks[0].offsets = (0,)
+
+
+def _chunks_a_tuple(m: Metadata) -> None:
+    m.state_dict_metadata["flat"].chunks = tuple(m.state_dict_metadata["flat"].chunks)
+
+
+class OtherTensor(TensorStorageMetadata):
+    """An entry of another type."""
+
+
+def _other_entry(m: Metadata) -> None:
+    m.state_dict_metadata["flat"] = OtherTensor(**vars(m.state_dict_metadata["flat"]))
+
+
+@pytest.mark.parametrize("surprise", [_other_chunk, _chunk_attribute, _tuple_offsets, _chunks_a_tuple, _other_entry])
+def test_a_chunk_list_the_records_do_not_reproduce_is_pickled_by_pickle(surprise):
+    """That key's entry goes in the head as it is; the other key's chunks are laid out."""
+    metadata = by_hand(files=2, chunks=2)
+    surprise(metadata)
+    ours, standard = dumps_metadata(metadata), pickle.dumps(metadata)
+    assert ours != standard
+    assert_read_alike(ours, standard)
+
+
+def _shared_plan(m: Metadata) -> None:
+    m.planner_data = {"plan": m.state_dict_metadata}
+
+
+@pytest.mark.parametrize("surprise", [_kept, _shared_plan, _shared_storage])
+def test_a_metadata_the_records_do_not_reproduce_is_pickled_by_pickle(surprise):
     metadata = by_hand(files=2, chunks=2)
     metadata = surprise(metadata) or metadata
-    standard = pickle.dumps(metadata)
-    assert dumps_metadata(metadata) == standard
+    assert dumps_metadata(metadata) == pickle.dumps(metadata)
+
+
+def test_chunks_of_every_dimensionality_and_empty_lists_read_back_alike():
+    """0 to 4 dims, a tensor of no chunks, a shared chunk list: every unpickler reads it alike."""
+    metadata = by_hand(files=2, chunks=2)
+    plan = metadata.state_dict_metadata
+    for nd in range(5):
+        size = torch.Size([6] * nd)
+        plan[f"t{nd}"] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), size,
+                                               [ChunkStorageMetadata(torch.Size([0] * nd), size)])
+    plan["empty"] = TensorStorageMetadata(TensorProperties(), torch.Size([0]), [])
+    assert_reads_back_alike(metadata)
 
 
 def test_a_storage_value_of_a_subclass_round_trips_as_itself():
@@ -310,9 +401,24 @@ def test_the_columns_of_metadata_by_hand_read_back_as_its_entries():
 
 
 def test_columns_the_records_do_not_reproduce_are_pickled_as_their_entries():
+    """By the standard pickler, in the head; the chunk lists are still laid out."""
     metadata = by_hand(files=2, chunks=2)
     written = gathered(metadata)
     written.transforms = [("stream.zstd/1",)] * len(written)  # a tuple: pickled as one, not as a list
     entries = StorageEntries(written)
-    assert dumps_metadata(with_storage(metadata, entries), written) == pickle.dumps(
-        with_storage(metadata, entries.as_dict()))
+    ours = dumps_metadata(with_storage(metadata, entries), written)
+    assert_read_alike(ours, pickle.dumps(with_storage(metadata, entries.as_dict())))
+    assert type(next(iter(pickle.loads(ours).storage_data.values())).transform_descriptors) is tuple
+
+
+def test_a_plan_whose_chunk_lists_changed_since_its_last_save_reads_back_as_it_is_now():
+    """The plan's tables are kept from one save to the next of the same plan; a chunk list
+    replaced or grown since is seen, and that plan pickled as it now is."""
+    metadata = by_hand(files=2, chunks=2)
+    assert_reads_back_alike(metadata)
+    flat = metadata.state_dict_metadata["flat"]
+    flat.chunks = flat.chunks[:1]
+    assert_read_alike(dumps_metadata(metadata), pickle.dumps(metadata))
+    flat.chunks.append(ChunkStorageMetadata(torch.Size([5]), torch.Size([1])))
+    assert_read_alike(dumps_metadata(metadata), pickle.dumps(metadata))
+    assert len(pickle.loads(dumps_metadata(metadata)).state_dict_metadata["flat"].chunks) == 2

@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from .index import PlanTables, plan_tables
 
 if TYPE_CHECKING:
     from .written import Written
@@ -51,8 +58,8 @@ __all__ = ["dumps_metadata"]
 
 _PROTOCOL = pickle.DEFAULT_PROTOCOL
 """What DCP's ``pickle.dump`` writes: the head is pickled with it."""
-_CLASSES = (MetadataIndex, _StorageInfo, torch.Size)
-_NAMES = ("fqn", "index", "offset", "relative_path", "length", "transform_descriptors")
+_CLASSES = (MetadataIndex, _StorageInfo, torch.Size, ChunkStorageMetadata)
+_NAMES = ("fqn", "index", "offset", "relative_path", "length", "transform_descriptors", "offsets", "sizes")
 """The memo's first strings, after the classes: the state's field names."""
 _BLOCK = 1 << 16
 """Entries laid out at a time: bounds the scratch table to a few tens of MiB."""
@@ -64,31 +71,40 @@ _ABSENT, _NONE = -1, -2
 def dumps_metadata(metadata: Metadata, written: Written | None = None) -> bytes:
     """``pickle.dumps(metadata)``'s equal: bytes that ``pickle.loads`` turns into a ``Metadata``
     equal in every field (``storage_data`` in the same order, offsets ``torch.Size``), laid out
-    by numpy for ``storage_data``. Falls back to ``pickle.dumps`` for anything not reproduced.
+    by numpy for ``storage_data`` and the chunk lists of ``state_dict_metadata``. Falls back to
+    ``pickle.dumps`` for anything not reproduced.
 
     ``written``: ``storage_data``'s entries as columns (``written.Written``), where the caller
     holds them: the records are laid out from them and no entry object is made or read. The
     bytes are then those of ``metadata`` with ``storage_data`` the plain dict of those entries
     (``StorageEntries.as_dict``); ``storage_data`` itself (any mapping of them) is read only by
     the fallback."""
-    storage = getattr(metadata, "storage_data", None)
-    has_entries = len(written) > 0 if written is not None else type(storage) is dict and len(storage) > 0
     fast = None
-    if type(metadata) is Metadata and has_entries and _reduces_as_written():
+    if type(metadata) is Metadata and _reduces_as_written():
         with _gc_paused():
-            fast = _dumps_fast(metadata, storage, written)
-    if fast is not None:
-        return fast
+            fast = _dumps_fast(metadata, written)
+    return fast if fast is not None else pickle.dumps(_plain_storage(metadata, written))
+
+
+def _plain_storage(metadata: Metadata, written: Written | None) -> Metadata:
+    """``metadata`` with ``storage_data`` a plain dict where the caller gave its columns and a
+    mapping of them: what the bytes say either way."""
+    storage = getattr(metadata, "storage_data", None)
     if written is not None and isinstance(storage, Mapping) and type(storage) is not dict:
-        metadata = _with_storage(metadata, dict(storage.items()))
-    return pickle.dumps(metadata)
+        return _with_storage(metadata, dict(storage.items()))
+    return metadata
 
 
 def _with_storage(metadata: Metadata, storage: Any) -> Metadata:
     """A shallow copy of ``metadata`` (its fields in their order) with ``storage`` for ``storage_data``."""
+    return _replaced(metadata, storage_data=storage)
+
+
+def _replaced(metadata: Metadata, **fields: Any) -> Metadata:
+    """A shallow copy of ``metadata`` (its fields in their order) with ``fields`` in place."""
     other = Metadata.__new__(Metadata)
     vars(other).update(vars(metadata))
-    other.storage_data = storage
+    vars(other).update(fields)
     return other
 
 
@@ -106,26 +122,54 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _dumps_fast(metadata: Metadata, storage: Any, written: Written | None) -> bytes | None:
-    """The stream, or None where something is not as the records reproduce it."""
+def _dumps_fast(metadata: Metadata, written: Written | None) -> bytes | None:
+    """The stream, or None where neither part is as the records reproduce it: ``storage_data``'s
+    entries, ``state_dict_metadata``'s chunk lists. A part not reproduced is in the head."""
     try:
-        entries = _Entries.of(storage) if written is None else _Entries.of_written(written)
-        head = None if entries is None else _head(metadata)
-        if entries is None or head is None:
+        entries = _storage_entries(metadata, written)
+        lists = _ChunkLists.of(vars(metadata).get("state_dict_metadata"))
+        if entries is None and lists is None:
             return None
-        data, slot, base = head
-        memo = _Memo(base, entries.strings)
-        parts = [data, _ref(slot), pickle.MARK, memo.definitions(), pickle.POP_MARK, pickle.MARK,
-                 *_records(entries, memo), pickle.SETITEMS, pickle.POP, pickle.STOP]
+        fields: dict[str, Any] = {}
+        placeholders: list[Any] = []
+        if entries is not None:
+            fields["storage_data"] = {}
+            placeholders.append(fields["storage_data"])
+        if lists is not None:
+            fields["state_dict_metadata"] = lists.emptied
+            placeholders += lists.lists
+        top = _replaced(metadata if entries is not None else _plain_storage(metadata, written), **fields)
+        head = _head(top, [vars(metadata).get(name) for name in fields], placeholders)
+        if head is None:
+            return None
+        data, slots, base = head
+        memo = _Memo(base, entries.strings if entries is not None else list(_string_table()))
+        parts = [data, pickle.MARK, memo.definitions(), pickle.POP_MARK]
+        if lists is not None:
+            parts += lists.records(slots[entries is not None:], memo)
+        if entries is not None:
+            parts += [_ref(slots[0]), pickle.MARK, *_records(entries, memo), pickle.SETITEMS, pickle.POP]
     except (IndexError, OverflowError, TypeError, ValueError):  # an int past 64 bits, a field of another type
         return None
-    return b"".join(parts)
+    return b"".join([*parts, pickle.STOP])
+
+
+def _storage_entries(metadata: Metadata, written: Written | None) -> _Entries | None:
+    """``storage_data``'s entries as columns, or None where there are none or they are not of a
+    shape the records reproduce."""
+    storage = vars(metadata).get("storage_data")
+    try:
+        if written is not None:
+            return _Entries.of_written(written) if len(written) else None
+        return _Entries.of(storage) if type(storage) is dict and storage else None
+    except (OverflowError, TypeError, ValueError):  # an int past 64 bits, a field of another type
+        return None
 
 
 # -- guards ---------------------------------------------------------------------------------------
 
 def _reduces_as_written() -> bool:
-    """Whether the three classes still pickle as the records reproduce them: by
+    """Whether the four classes still pickle as the records reproduce them: by
     ``copyreg.__newobj__`` with the instance's fields as state (``_StorageInfo`` without its
     None fields), ``torch.Size`` by its tuple, each found under its module and name."""
     if any(cls in copyreg.dispatch_table or getattr(sys.modules.get(cls.__module__), cls.__qualname__, None)
@@ -134,9 +178,12 @@ def _reduces_as_written() -> bool:
     key, size = MetadataIndex("k", torch.Size([3, 4]), 2), torch.Size([3, 4])
     bare = MetadataIndex("k")
     info, zstd = _StorageInfo("f", 5, 6), _StorageInfo("f", 5, 6, ["t"])
+    chunk = ChunkStorageMetadata(size, torch.Size([1, 2]))
     newobj = copyreg.__newobj__  # type: ignore[attr-defined]
     try:
-        return (key.__reduce_ex__(_PROTOCOL) == (newobj, (MetadataIndex,), {"fqn": "k", "index": 2, "offset": size},
+        return (chunk.__reduce_ex__(_PROTOCOL) == (newobj, (ChunkStorageMetadata,),
+                                                    {"offsets": size, "sizes": torch.Size([1, 2])}, None, None)
+                and key.__reduce_ex__(_PROTOCOL) == (newobj, (MetadataIndex,), {"fqn": "k", "index": 2, "offset": size},
                                                  None, None)
                 and bare.__reduce_ex__(_PROTOCOL) == (newobj, (MetadataIndex,), {"fqn": "k", "index": None}, None, None)
                 and info.__reduce_ex__(_PROTOCOL) == (newobj, (_StorageInfo,),
@@ -168,21 +215,21 @@ _UNFRAMED = {pickle.BINUNICODE[0]: 4, pickle.BINBYTES[0]: 4, pickle.BINUNICODE8[
 payload of 64 KiB or more."""
 
 
-def _head(metadata: Metadata) -> tuple[bytes, int, int] | None:
-    """``metadata`` pickled as ``pickle.dump`` would with an empty dict P for ``storage_data``,
-    its STOP dropped, P's memo index and the first memo index free; None where the stream is
-    not one this module can extend (then the standard pickler writes it all)."""
-    slot: dict = {}
-    top = _with_storage(metadata, slot)
+def _head(top: Metadata, replaced: list[Any], placeholders: list[Any]) -> tuple[bytes, list[int], int] | None:
+    """``top`` (the metadata with parts ``replaced`` by placeholders: an empty dict for
+    ``storage_data``, empty chunk lists) pickled as ``pickle.dump`` would, its STOP dropped; each placeholder's memo index and
+    the first memo index free. None where the stream is not one this module can extend (then
+    the standard pickler writes it all)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=_PROTOCOL)
     pickler.dump(top)
     memo = pickler.memo.copy()
     data = bytearray(buffer.getbuffer())
-    # storage_data referred to from elsewhere too: the standard pickle keeps the sharing.
-    if id(slot) not in memo or id(vars(metadata).get("storage_data")) in memo or not _drop_stop(data):
+    # A part replaced and referred to from elsewhere too: the standard pickle keeps the sharing.
+    if (any(id(part) in memo for part in replaced)
+            or not all(id(p) in memo for p in placeholders) or not _drop_stop(data)):
         return None
-    return bytes(data), memo[id(slot)][0], len(memo)
+    return bytes(data), [memo[id(p)][0] for p in placeholders], len(memo)
 
 
 def _drop_stop(data: bytearray) -> bool:
@@ -415,6 +462,120 @@ def _descriptors(found: list[Any], table: dict[str, int]) -> tuple[list[tuple[st
     for text in itertools.chain.from_iterable(descriptors):
         table[text]
     return descriptors, np.array(codes, np.int64)
+
+
+# -- state_dict_metadata's chunk lists --------------------------------------------------------------
+
+_CHUNK_FIELDS = ["offsets", "sizes"]
+"""A ``ChunkStorageMetadata``'s ``__dict__``, in order."""
+
+
+_KEPT: list[tuple[PlanTables, np.ndarray, list[Any]]] = []
+"""The last plan's tables, which of their keys the records reproduce and each key's chunk list
+as it was then."""
+
+
+class _ChunkLists:
+    """The tensors' chunk lists of a plan (``state_dict_metadata``), laid out from its tables
+    (``index.plan_tables``, kept across the saves of a plan, as are the checks here): the
+    plan's copy with those lists emptied goes in the head, then each list's chunks are
+    appended to it (``LONG_BINGET list MARK <chunk records> APPENDS POP``). A key whose entry
+    or chunks are not exactly as the records reproduce keeps its own list, in the head."""
+
+
+    def __init__(self, tables: PlanTables, plain: np.ndarray, seen: list[Any]) -> None:
+        self.tables, self.keys = tables, np.flatnonzero(plain & (tables.keys[:, 5] > 0))
+        self.emptied: dict[str, Any] = dict(tables.plan)
+        self.lists: list[list] = []
+        for k in self.keys.tolist():
+            name, count = tables.names[k], int(tables.keys[k, 5])
+            entry = self.emptied[name]
+            chunks = vars(entry).get("chunks")
+            if chunks is not seen[k] or len(chunks) != count:  # changed since: the tables no longer say it
+                raise ValueError(f"{name}: a chunk list changed since the plan's tables were made")
+            copy = TensorStorageMetadata.__new__(TensorStorageMetadata)
+            vars(copy).update(vars(entry))
+            vars(copy)["chunks"] = []
+            self.emptied[name] = copy
+            self.lists.append(vars(copy)["chunks"])
+
+    @classmethod
+    def of(cls, plan: Any) -> _ChunkLists | None:
+        """The lists to lay out, or None where there are none (or the plan is no plain dict, or
+        one the tables do not say)."""
+        if type(plan) is not dict or not plan:
+            return None
+        try:
+            tables = plan_tables(plan)
+            if not _KEPT or _KEPT[0][0] is not tables:
+                _KEPT[:] = [(tables, *_plain_keys(tables))]
+            lists = cls(*_KEPT[0])
+        except (OverflowError, TypeError, ValueError):  # a dtype the index cannot say, an int past 64 bits
+            return None
+        return lists if lists.lists else None
+
+    def records(self, slots: list[int], memo: _Memo) -> list[Any]:
+        """Each list's chunks appended to it, the records of a dimensionality laid out at once."""
+        keys, tables = self.tables.keys, self.tables
+        kind = "int32" if not len(tables.coords) or (tables.coords.min() >= _INT32[0]
+                                                      and tables.coords.max() <= _INT32[1]) else "int64"
+        ndims, first, count = keys[self.keys, 2], keys[self.keys, 4], keys[self.keys, 5]
+        rows_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for nd in np.unique(ndims).tolist():
+            mine = np.flatnonzero(ndims == nd)
+            ends = np.cumsum(count[mine])
+            rows = np.repeat(first[mine] - (ends - count[mine]), count[mine]) + np.arange(int(ends[-1]))
+            table = _chunk_template(nd, memo, kind).fill(_ChunkColumns(tables), rows, memo.first_string)
+            for i, end in zip(mine.tolist(), ends.tolist(), strict=True):
+                rows_of[i] = (table, end)
+        out: list[Any] = []
+        for i, slot in enumerate(slots):
+            table, end = rows_of[i]
+            out += [_ref(slot), pickle.MARK, table[end - int(count[i]):end], pickle.APPENDS, pickle.POP]
+        return out
+
+
+def _plain_keys(tables: PlanTables) -> tuple[np.ndarray, list[Any]]:
+    """Which keys' chunk lists the records reproduce (the entry exactly a
+    ``TensorStorageMetadata`` holding a list of the tables' chunks, each exactly a
+    ``ChunkStorageMetadata`` whose ``__dict__`` is its offsets and sizes, both ``torch.Size``),
+    and each key's list (held: a later save checks it is still the one seen)."""
+    plain, seen = np.zeros(len(tables.names), bool), []
+    for k, entry in enumerate(tables.plan.values()):
+        chunks = vars(entry).get("chunks") if type(entry) is TensorStorageMetadata else None
+        seen.append(chunks)
+        if type(chunks) is not list or len(chunks) != tables.keys[k, 5]:
+            continue
+        dicts = list(map(_DICT, chunks))
+        plain[k] = not chunks or (_types(chunks) == {ChunkStorageMetadata}
+                                  and list(itertools.chain.from_iterable(dicts)) == _CHUNK_FIELDS * len(chunks)
+                                  and _types(itertools.chain.from_iterable(map(dict.values, dicts))) == {torch.Size})
+    return plain, seen
+
+
+class _ChunkColumns:
+    """The tables' chunks as the template's columns: column j of a chunk row is its j-th
+    coordinate (its offsets, then its sizes)."""
+
+    def __init__(self, tables: PlanTables) -> None:
+        self.tables = tables
+
+    def column(self, j: int, rows: np.ndarray) -> np.ndarray:
+        return self.tables.coords[self.tables.chunks[rows, 0] + j]
+
+
+def _chunk_template(nd: int, memo: _Memo, kind: str) -> _Template:
+    """A ``ChunkStorageMetadata`` of ``nd`` dimensions as the standard pickler writes it:
+    ``__newobj__``, then BUILD of its ``__dict__`` (offsets, sizes: each ``torch.Size``'s reduce)."""
+    template = _Template()
+    template.add(memo.cls(ChunkStorageMetadata), pickle.EMPTY_TUPLE, pickle.NEWOBJ, pickle.EMPTY_DICT, pickle.MARK)
+    for name, first in (("offsets", 0), ("sizes", nd)):
+        template.add(memo.string(name), memo.cls(torch.Size), pickle.MARK)
+        for dim in range(nd):
+            template.field(first + dim, kind)
+        template.add(pickle.TUPLE, pickle.TUPLE1, pickle.REDUCE)
+    template.add(pickle.SETITEMS, pickle.BUILD)
+    return template
 
 
 # -- the records -----------------------------------------------------------------------------------
