@@ -189,6 +189,20 @@ class DcpShardsMixin:
         self._verify_load = (manifest.step, files)
         return files
 
+    def _saved_state(self, metadata: Any) -> tuple[list, dict]:
+        """(the optimizers the checkpoint has state of, the state dict to load into). A fresh
+        optimizer has no state; DCP needs tensors to load into, so it is created (zero-LR step)
+        and then trimmed to what was saved: the optimizers and parameters that had no state
+        then have none now."""
+        saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
+                      for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
+        saved_optimizers = [o for o, fqns in zip(self.optimizers, self._fqns_per_optimizer(), strict=True)
+                            if fqns & saved_fqns]
+        state = self._sharded_state(saved_optimizers)
+        for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
+            del state["optim"]["state"][fqn]
+        return saved_optimizers, state
+
     def _load_shards(self, storage: Storage, step_dir: str, manifest: Manifest | None) -> None:
         if has_index(manifest):
             assert manifest is not None
@@ -196,16 +210,7 @@ class DcpShardsMixin:
         # Refuse a hostile .metadata here, with our error, before DCP sees it: its shape and
         # bounds checked against the manifest's files (the one reader below loads it).
         metadata, recorded = self._metadata.read(self.comm, storage, step_dir, manifest)
-        saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
-                      for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
-        # A fresh optimizer has no state; DCP needs tensors to load into, so it
-        # is created (zero-LR step) and then trimmed to what was saved: the
-        # optimizers and parameters that had no state then have none now.
-        saved_optimizers = [o for o, fqns in zip(self.optimizers, self._fqns_per_optimizer(), strict=True)
-                            if fqns & saved_fqns]
-        state = self._sharded_state(saved_optimizers)
-        for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
-            del state["optim"]["state"][fqn]
+        saved_optimizers, state = self._saved_state(metadata)
         reader = make_reader(storage, step_dir)
         reader.preloaded_metadata = metadata  # parsed once above, not read again by every rank
         reader.compressed = recorded["compression"] == "zstd"
@@ -271,13 +276,7 @@ class IndexedLoadMixin:
     def _stage(self, metadata: Any) -> tuple[list, dict]:
         """(the optimizers the checkpoint has state of, the state dict the load reads into): new
         memory for what holds value now (``stage_for_load``)."""
-        saved_fqns = {key[len("optim.state."):].rsplit(".", 1)[0]
-                      for key in metadata.state_dict_metadata if key.startswith("optim.state.")}
-        saved_optimizers = [o for o, fqns in zip(self.optimizers, self._fqns_per_optimizer(), strict=True)
-                            if fqns & saved_fqns]
-        state = self._sharded_state(saved_optimizers)
-        for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
-            del state["optim"]["state"][fqn]
+        saved_optimizers, state = self._saved_state(metadata)
         fresh = {fqn for o in saved_optimizers if id(o) in self._fresh_ids() for fqn in self._fqns_of(o)}
         return saved_optimizers, stage_for_load(state, fresh)
 
