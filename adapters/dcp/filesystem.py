@@ -371,12 +371,13 @@ class StepWriter(_fs.FileSystemWriter):
     def _write_metadata(self, plain: Any, written: Any) -> None:
         """``.metadata`` as DCP writes it (a temporary file renamed over any old one), its
         ``storage_data`` a plain dict."""
-        from .metadata_pickle import dumps_metadata
+        from .metadata_pickle import metadata_parts
 
-        data = dumps_metadata(plain, written)
+        parts = metadata_parts(plain, written)
         tmp = self.fs.concat_path(self.path, f"{_fs._metadata_fn}.tmp")
         with self.fs.create_stream(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
         final = self.fs.concat_path(self.path, _fs._metadata_fn)
         if self.fs.exists(final):
             self.fs.rm_file(final)

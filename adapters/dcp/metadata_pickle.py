@@ -54,7 +54,7 @@ from .index import PlanTables, plan_tables
 if TYPE_CHECKING:
     from .written import Written
 
-__all__ = ["dumps_metadata"]
+__all__ = ["dumps_metadata", "metadata_parts"]
 
 _PROTOCOL = pickle.DEFAULT_PROTOCOL
 """What DCP's ``pickle.dump`` writes: the head is pickled with it."""
@@ -79,11 +79,18 @@ def dumps_metadata(metadata: Metadata, written: Written | None = None) -> bytes:
     bytes are then those of ``metadata`` with ``storage_data`` the plain dict of those entries
     (``StorageEntries.as_dict``); ``storage_data`` itself (any mapping of them) is read only by
     the fallback."""
+    return b"".join(metadata_parts(metadata, written))
+
+
+def metadata_parts(metadata: Metadata, written: Written | None = None) -> list[Any]:
+    """``dumps_metadata``'s bytes as the buffers (bytes, one-dimensional uint8 arrays) that
+    follow each other in it: written one after the other, no copy of them all is made (461 MiB
+    at 5,120 ranks)."""
     fast = None
     if type(metadata) is Metadata and _reduces_as_written():
         with _gc_paused():
             fast = _dumps_fast(metadata, written)
-    return fast if fast is not None else pickle.dumps(_plain_storage(metadata, written))
+    return fast if fast is not None else [pickle.dumps(_plain_storage(metadata, written))]
 
 
 def _plain_storage(metadata: Metadata, written: Written | None) -> Metadata:
@@ -122,7 +129,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _dumps_fast(metadata: Metadata, written: Written | None) -> bytes | None:
+def _dumps_fast(metadata: Metadata, written: Written | None) -> list[Any] | None:
     """The stream, or None where neither part is as the records reproduce it: ``storage_data``'s
     entries, ``state_dict_metadata``'s chunk lists. A part not reproduced is in the head."""
     try:
@@ -151,7 +158,7 @@ def _dumps_fast(metadata: Metadata, written: Written | None) -> bytes | None:
             parts += [_ref(slots[0]), pickle.MARK, *_records(entries, memo), pickle.SETITEMS, pickle.POP]
     except (IndexError, OverflowError, TypeError, ValueError):  # an int past 64 bits, a field of another type
         return None
-    return b"".join([*parts, pickle.STOP])
+    return [*parts, pickle.STOP]
 
 
 def _storage_entries(metadata: Metadata, written: Written | None) -> _Entries | None:
@@ -531,7 +538,7 @@ class _ChunkLists:
         out: list[Any] = []
         for i, slot in enumerate(slots):
             table, end = rows_of[i]
-            out += [_ref(slot), pickle.MARK, table[end - int(count[i]):end], pickle.APPENDS, pickle.POP]
+            out += [_ref(slot) + pickle.MARK, table[end - int(count[i]):end].reshape(-1), pickle.APPENDS + pickle.POP]
         return out
 
 
@@ -731,13 +738,14 @@ def _records(entries: _Entries, memo: _Memo) -> list[Any]:
         shape = entries.shape[first:first + _BLOCK]
         codes = np.flatnonzero(np.bincount(shape, minlength=len(templates)))
         if len(codes) == 1:  # one shape: its records are the block
-            out.append(templates[codes[0]].fill(entries, np.arange(first, first + len(shape)), memo.first_string))
+            out.append(templates[codes[0]].fill(entries, np.arange(first, first + len(shape)),
+                                                memo.first_string).reshape(-1))
             continue
         table = np.empty((len(shape), width), np.uint8)
         for code in codes:
             rows = np.flatnonzero(shape == code)
             table[rows] = templates[code].fill(entries, rows + first, memo.first_string)
-        out.append(table)
+        out.append(table.reshape(-1))
     return out
 
 

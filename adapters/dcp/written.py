@@ -144,12 +144,10 @@ def written_of(results: list[Any]) -> Written:
 
 def _joined(parts: list[Written]) -> Written:
     """``parts`` end to end, names and files numbered anew."""
-    names: dict[str, int] = {}
-    files: dict[str, int] = {}
+    names, name_codes = _numbered([part.names for part in parts])
+    files, file_codes = _numbered([part.files for part in parts])
     columns: dict[str, list[np.ndarray]] = {f: [] for f in _PACKED}
-    for part in parts:
-        own_names = np.array([names.setdefault(n, len(names)) for n in part.names] or [0], np.int64)
-        own_files = np.array([files.setdefault(f, len(files)) for f in part.files] or [0], np.int64)
+    for part, own_names, own_files in zip(parts, name_codes, file_codes, strict=True):
         for field in _PACKED:
             columns[field].append(getattr(part, field))
         columns["key"][-1], columns["file"][-1] = own_names[part.key], own_files[part.file]
@@ -157,7 +155,20 @@ def _joined(parts: list[Written]) -> Written:
     if any(p.transforms is not None for p in parts):
         transforms = list(itertools.chain.from_iterable(p.transforms or [None] * len(p) for p in parts))
     joined = {f: np.concatenate(columns[f]) if columns[f] else np.zeros(0, np.int64) for f in _PACKED}
-    return Written(names=list(names), files=list(files), transforms=transforms, **joined)
+    return Written(names=names, files=files, transforms=transforms, **joined)
+
+
+def _numbered(lists: list[list[str]]) -> tuple[list[str], list[np.ndarray]]:
+    """The distinct strings of ``lists``, in order of first appearance, and each list's codes
+    into them (``[0]`` for an empty one, so that indexing it by an empty column works). C-level
+    passes: millions of names at thousands of ranks."""
+    every = list(itertools.chain.from_iterable(lists))
+    distinct = list(dict.fromkeys(every))
+    number = {text: i for i, text in enumerate(distinct)}
+    codes = np.fromiter(map(number.__getitem__, every), np.int64, len(every))
+    ends = np.cumsum([len(one) for one in lists], dtype=np.int64)
+    return distinct, [codes[end - len(one):end] if len(one) else np.zeros(1, np.int64)
+                      for one, end in zip(lists, ends.tolist(), strict=True)]
 
 
 def as_write_results(rank_results: Any) -> list[Any]:
