@@ -422,3 +422,16 @@ def test_a_plan_whose_chunk_lists_changed_since_its_last_save_reads_back_as_it_i
     flat.chunks.append(ChunkStorageMetadata(torch.Size([5]), torch.Size([1])))
     assert_read_alike(dumps_metadata(metadata), pickle.dumps(metadata))
     assert len(pickle.loads(dumps_metadata(metadata)).state_dict_metadata["flat"].chunks) == 2
+
+
+def test_the_next_save_of_a_plan_reuses_its_chunk_records_and_reads_back_alike():
+    """A later save of the same plan (new storage entries and storage_meta, as every save has)
+    writes the chunk records of the save before: still read back as the standard stream."""
+    first = by_hand(files=2, chunks=2)
+    assert_reads_back_alike(first)
+    later = pickle.loads(pickle.dumps(first))
+    later.state_dict_metadata = first.state_dict_metadata
+    later.storage_meta = StorageMeta(checkpoint_id="/ckpt/later", save_id="s2", modules=["m", "n"])
+    later.planner_data = {"other": ("x",)}
+    ours = assert_reads_back_alike(later)
+    assert ours == dumps_metadata(later)

@@ -482,6 +482,10 @@ _KEPT: list[tuple[PlanTables, np.ndarray, list[Any]]] = []
 as it was then."""
 
 
+_RECORDS: list[tuple[PlanTables, tuple, list[Any]]] = []
+"""The last chunk records laid out: the tables, the head's slots and base they refer to, the parts."""
+
+
 class _ChunkLists:
     """The tensors' chunk lists of a plan (``state_dict_metadata``), laid out from its tables
     (``index.plan_tables``, kept across the saves of a plan, as are the checks here): the
@@ -522,6 +526,19 @@ class _ChunkLists:
         return lists if lists.lists else None
 
     def records(self, slots: list[int], memo: _Memo) -> list[Any]:
+        """Each list's chunks appended to it. The same plan pickled to the same head (its lists
+        at the same memo indices, the records' definitions at the same base) gives the same
+        bytes: those of the save before are written again (a few hundred MiB at 5,120 ranks
+        not laid out, nor their memory touched anew, at every save)."""
+        key = (tuple(slots), memo.base)
+        if _RECORDS and _RECORDS[0][0] is self.tables and _RECORDS[0][1] == key:
+            return _RECORDS[0][2]
+        _RECORDS.clear()  # the memory of the old ones free before the new ones are made
+        out = self._laid_out(slots, memo)
+        _RECORDS[:] = [(self.tables, key, out)]
+        return out
+
+    def _laid_out(self, slots: list[int], memo: _Memo) -> list[Any]:
         """Each list's chunks appended to it, the records of a dimensionality laid out at once."""
         keys, tables = self.tables.keys, self.tables
         kind = "int32" if not len(tables.coords) or (tables.coords.min() >= _INT32[0]
