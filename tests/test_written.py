@@ -111,3 +111,23 @@ def test_a_save_whose_entries_the_columns_cannot_hold_finishes_as_dcp_does(tmp_p
     assert loaded.storage_data[MetadataIndex("odd", None)].length == 2**70
     assert set(dcp_dict(results)) <= set(loaded.storage_data)
     assert not (tmp_path / "again" / "index.resume").exists() and "no index" in caplog.text
+
+
+def _results(names: list[str], path: str) -> PackedWrites:
+    return PackedWrites(WriteResult(MetadataIndex(name, torch.Size([i])), 4, _StorageInfo(path, 4 * i, 4))
+                        for i, name in enumerate(names))
+
+
+def test_names_travel_as_one_blob_split_once_per_distinct_blob_and_as_a_list_where_one_holds_a_nul():
+    same = ["layers.0.w", "\udcff odd", "café", ""]  # a lone surrogate, an empty name: both kept
+    with_nul = ["a\0b", "c"]
+    sent = [pickle.loads(pickle.dumps(_results(names, f"__{r}_0.distcp")))
+            for r, names in enumerate([same, same, with_nul, same[::-1]])]
+    assert isinstance(sent[0].names, bytes) and sent[0].names == sent[1].names
+    assert sent[2].names == with_nul  # a NUL inside a name: the list itself
+    written = written_of(sent)
+    expected = [name for names in (same, same, with_nul, same[::-1]) for name in names]
+    assert written.fqns == expected
+    assert written.names == list(dict.fromkeys(expected))
+    assert [written.files[f] for f in written.file] == [f"__{r}_0.distcp" for r in range(4) for _ in range(
+        len(same) if r != 2 else 2)]

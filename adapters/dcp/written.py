@@ -113,15 +113,26 @@ class PackedWrites(list):
             written = _columns([w.index for w in self], [w.storage_data for w in self])
         except (TypeError, OverflowError, AttributeError):  # not DCP's usual entries: as DCP sends them
             return list, (list(self),)
-        return Packed, (written.names, tuple(getattr(written, f).tobytes() for f in _PACKED), written.files,
-                        written.transforms)
+        return Packed, (_names_blob(written.names), tuple(getattr(written, f).tobytes() for f in _PACKED),
+                        written.files, written.transforms)
+
+
+def _names_blob(names: list[str]) -> bytes | list[str]:
+    """``names`` as one UTF-8 string, NUL between them: one object to unpickle, not one per name,
+    and the ranks that write the same keys send the same bytes, which rank 0 splits once. A name
+    holding a NUL (or none at all) goes as the list."""
+    joined = "\0".join(names)
+    if not names or joined.count("\0") != len(names) - 1:
+        return names
+    return joined.encode("utf-8", "surrogatepass")
 
 
 @dataclass
 class Packed:
     """A rank's write results as they arrive on rank 0 (a ``PackedWrites``, pickled)."""
 
-    names: list[str]
+    names: bytes | list[str]
+    """The distinct keys: a list, or ``_names_blob``'s bytes."""
     arrays: tuple[bytes, ...]
     files: list[str]
     transforms: list[Any] | None
@@ -132,10 +143,14 @@ def written_of(results: list[Any]) -> Written:
     writer that does not pack, a rank whose results would not pack). ValueError as
     ``columns_of``."""
     parts = []
+    split: dict[bytes, list[str]] = {}  # each distinct blob of names split once, into one list
     for rank_results in results:
         if isinstance(rank_results, Packed):
             arrays = (np.frombuffer(b, np.int64) for b in rank_results.arrays)
-            parts.append(Written(names=rank_results.names, files=rank_results.files,
+            names = rank_results.names
+            if isinstance(names, bytes):
+                names = split.get(names) or split.setdefault(names, names.decode("utf-8", "surrogatepass").split("\0"))
+            parts.append(Written(names=names, files=rank_results.files,
                                  transforms=rank_results.transforms, **dict(zip(_PACKED, arrays, strict=True))))
         else:
             parts.append(columns_of({w.index: w.storage_data for w in rank_results}))
@@ -160,15 +175,18 @@ def _joined(parts: list[Written]) -> Written:
 
 def _numbered(lists: list[list[str]]) -> tuple[list[str], list[np.ndarray]]:
     """The distinct strings of ``lists``, in order of first appearance, and each list's codes
-    into them (``[0]`` for an empty one, so that indexing it by an empty column works). C-level
-    passes: millions of names at thousands of ranks."""
-    every = list(itertools.chain.from_iterable(lists))
+    into them (``[0]`` for an empty one, so that indexing it by an empty column works). A list
+    that is one object with an earlier one (ranks that sent the same names) is coded once; the
+    rest in C-level passes: millions of names at thousands of ranks."""
+    distinct_lists = list({id(one): one for one in lists}.values())
+    every = list(itertools.chain.from_iterable(distinct_lists))
     distinct = list(dict.fromkeys(every))
     number = {text: i for i, text in enumerate(distinct)}
     codes = np.fromiter(map(number.__getitem__, every), np.int64, len(every))
-    ends = np.cumsum([len(one) for one in lists], dtype=np.int64)
-    return distinct, [codes[end - len(one):end] if len(one) else np.zeros(1, np.int64)
-                      for one, end in zip(lists, ends.tolist(), strict=True)]
+    ends = np.cumsum([len(one) for one in distinct_lists], dtype=np.int64).tolist()
+    by_list = {id(one): codes[end - len(one):end] if len(one) else np.zeros(1, np.int64)
+               for one, end in zip(distinct_lists, ends, strict=True)}
+    return distinct, [by_list[id(one)] for one in lists]
 
 
 def as_write_results(rank_results: Any) -> list[Any]:
