@@ -307,14 +307,15 @@ class CheckpointIndex:
         check_arrays(index, source, file_sizes, compression)
         return index
 
-    def line_chunks(self) -> tuple | None:
+    def line_chunks(self, built: _LineBuilder | None = None) -> tuple | None:
         """Every tensor key's elements on one line, row-major, each key after the previous one:
         (each key's base on it, every non-empty chunk's first element there, sorted, where it
         ends (a one-dimensional chunk: its last element + 1; any other: its first + 1), their
         rows, each dimension's stride in ``dims``, each chunk's key). None where the keys'
-        elements together pass 2**62 (each key is then searched on its own)."""
+        elements together pass 2**62 (each key is then searched on its own). ``built``: the
+        boxes ``parse``'s checks gathered (``_chunk_line``)."""
         if self._line is None:
-            self._line = _chunk_line(self) or (None,)
+            self._line = _chunk_line(self, built) or (None,)
         return self._line if self._line[0] is not None else None
 
     def key_hashes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -329,7 +330,54 @@ class CheckpointIndex:
         return self._hashes
 
 
-def _chunk_line(index: Any) -> tuple | None:
+def _chunk_line(index: Any, built: _LineBuilder | None = None) -> tuple | None:
+    """``CheckpointIndex.line_chunks`` of ``index`` (or of a save's ``PlanTables``). ``built``:
+    every box already added (``parse`` gathers them to check them)."""
+    if built is None:
+        frame = _line_frame(index, _chunk_keys(index.keys))
+        if frame is None:
+            return None
+        built = _LineBuilder(index, frame)
+        for n, mine, box in _chunk_boxes(index, frame[2]):
+            built.add(n, mine, box)
+    return built.line()
+
+
+class _LineBuilder:
+    """The line's chunks, added a block of boxes at a time into arrays as long as the chunks
+    (filled in place: no list of pieces to join, half the memory at its peak), then sorted."""
+
+    def __init__(self, index: Any, frame: tuple) -> None:
+        self.dims_at = index.keys[:, 3]
+        self.base, self.stride, self.chunk_key = frame
+        self.start, self.end, self.row = (np.empty(len(index.chunks), np.int64) for _ in range(3))
+        self.count = 0
+
+    def add(self, n: int, mine: np.ndarray, box: np.ndarray) -> None:
+        """The non-empty ones of chunks ``mine`` (boxes ``box``, ``n`` dimensions)."""
+        k = self.chunk_key[mine]
+        keep = (box[:, n:] > 0).all(axis=1)
+        start = self.base[k] + (box[:, :n] * self.stride[self.dims_at[k][:, None] + np.arange(n)]).sum(axis=1)
+        at, count = self.count, int(keep.sum())
+        self.start[at:at + count] = start[keep]
+        self.end[at:at + count] = (start + (box[:, 1] if n == 1 else 1))[keep]
+        self.row[at:at + count] = mine[keep]
+        self.count += count
+
+    def line(self) -> tuple:
+        order = np.argsort(self.start[:self.count], kind="stable")
+        start, end, row = (a[:self.count][order] for a in (self.start, self.end, self.row))
+        return self.base, start, end, row, self.stride, self.chunk_key
+
+
+def _chunk_keys(keys: np.ndarray) -> np.ndarray:
+    """Each chunk row's key (the keys' rows checked: their chunks in order, counts >= 0)."""
+    return np.repeat(np.arange(len(keys)), keys[:, 5]) if len(keys) else np.zeros(0, np.int64)
+
+
+def _line_frame(index: Any, chunk_key: np.ndarray) -> tuple | None:
+    """(each key's base on the line, each dimension's stride in ``dims``, ``chunk_key``); None
+    where the keys' elements together pass 2**62."""
     keys, dims = index.keys, index.dims
     nd = np.where(keys[:, 0] == 0, keys[:, 2], 0) if len(keys) else np.zeros(0, np.int64)
     stride = np.zeros(len(dims), np.int64)
@@ -344,22 +392,31 @@ def _chunk_line(index: Any) -> tuple | None:
         numel[mine] = tail[:, 0]
     if float(numel.astype(np.float64).sum()) > _MAX_INT:
         return None
-    base = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64)
-    chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5]) if len(keys) else np.zeros(0, np.int64)
-    starts, ends, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for n in np.unique(nd[chunk_key]) if len(chunk_key) else []:
-        n = int(n)
-        mine = np.flatnonzero((keys[chunk_key, 0] == 0) & (nd[chunk_key] == n))
-        box = index.coords[index.chunks[mine, 0][:, None] + np.arange(2 * n)]
-        k = chunk_key[mine]
-        keep = (box[:, n:] > 0).all(axis=1)
-        start = base[k] + (box[:, :n] * stride[keys[k, 3][:, None] + np.arange(n)]).sum(axis=1)
-        starts.append(start[keep])
-        ends.append((start + (box[:, 1] if n == 1 else 1))[keep])
-        rows.append(mine[keep])
-    start, end, row = np.concatenate(starts), np.concatenate(ends), np.concatenate(rows)
-    order = np.argsort(start, kind="stable")
-    return base, start[order], end[order], row[order], stride, chunk_key
+    return np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64), stride, chunk_key
+
+
+_BLOCK_CHUNKS = 1 << 18
+
+
+def _chunk_boxes(index: Any, chunk_key: np.ndarray, refuse: Any = None) -> Iterable[tuple[int, np.ndarray, np.ndarray]]:
+    """(ndim, rows, offsets then sizes) of the tensor chunks, ``_BLOCK_CHUNKS`` rows at a time
+    split by number of dimensions (small arrays: at 5,120 ranks, gathering every box at once
+    took 0.3 GB more, which this machine maps and faults in anew). ``refuse``:
+    CorruptCheckpointError, before any gather, for coords out of range (None: a save's own
+    tables, not checked)."""
+    keys, chunks = index.keys, index.chunks
+    key_nd = np.where(keys[:, 0] == 0, keys[:, 2], -1) if len(keys) else chunk_key
+    for b in range(0, len(chunk_key), _BLOCK_CHUNKS):
+        nd = key_nd[chunk_key[b:b + _BLOCK_CHUNKS]]
+        for n in (np.flatnonzero(np.bincount(nd + 1)) - 1).tolist():
+            if n < 0:
+                continue
+            mine = b + np.flatnonzero(nd == n)
+            at = chunks[mine, 0]
+            if refuse is not None and ((at < 0) | (at > len(index.coords) - 2 * n)).any():
+                outside = mine[(at < 0) | (at > len(index.coords) - 2 * n)]
+                raise refuse("chunks", "coords inside coords", np.isin(np.arange(len(chunks)), outside))
+            yield n, mine, index.coords[at[:, None] + np.arange(2 * n)]
 
 
 def _check_header(header: dict, source: str, file_sizes: Mapping[str, int] | None, names: int, rows: int) -> None:
@@ -422,62 +479,69 @@ def _check_items(index: Any, source: str, file_sizes: Mapping[str, int] | None, 
     chunks = index.chunks
     if not len(chunks):
         return
-    _, file, offset, length, transform = chunks.T
-    bad = (file < 0) | (file >= len(index.files)) | (offset < 0) | (length < 0) | (offset > _MAX_INT) \
-        | (length > _MAX_INT) | (transform < 0) | (transform > (1 if compression == "zstd" else 0))
+    # Read as unsigned, a negative value is past 2**63: one comparison checks both ends.
+    _, file, offset, length, transform = chunks.view("<u8").T
+    bad = (file >= len(index.files)) | (offset > _MAX_INT) | (length > _MAX_INT) \
+        | (transform > (1 if compression == "zstd" else 0))
     if bad.any():
         raise refuse("chunks", f"a listed file, a byte range and transform {'0 or 1' if compression == 'zstd' else '0'}"
                      " (the compression the manifest records)", bad)
     if file_sizes is not None:
         sizes = np.array([file_sizes[f] for f in index.files], dtype=np.int64)
-        over = offset + length > sizes[file]
-        if over.any():
-            raise refuse("chunks", "offset + length within the file's size", over)
+        for b in range(0, len(chunks), _BLOCK_CHUNKS):
+            part = chunks[b:b + _BLOCK_CHUNKS]
+            over = part[:, 2] + part[:, 3] > sizes[part[:, 1]]
+            if over.any():
+                raise refuse("chunks", "offset + length within the file's size", np.concatenate([np.zeros(b, bool), over]))
 
 
 def _check_chunk_boxes(index: Any, source: str, refuse: Any) -> None:
     """Each tensor chunk's offsets and sizes inside the tensor; stored raw, an item at least its
-    chunk's bytes; in one dimension, chunks disjoint."""
-    keys, chunks = index.keys, index.chunks
-    if not len(keys):
+    chunk's bytes; in one dimension, chunks disjoint (on the line, built from the boxes
+    gathered here, when the index has one; else key by key). A block of chunks at a time: the
+    first block with a fault names it."""
+    if not len(index.keys):
         return
-    chunk_key = np.repeat(np.arange(len(keys)), keys[:, 5])
-    one_d = None
-    for nd in np.unique(keys[:, 2]):
-        nd = int(nd)
-        mine = np.flatnonzero((keys[chunk_key, 0] == 0) & (keys[chunk_key, 2] == nd))
-        if not len(mine):
-            continue
-        at = chunks[mine, 0]
-        if ((at < 0) | (at + 2 * nd > len(index.coords))).any():
-            raise refuse("chunks", "coords inside coords", np.isin(np.arange(len(chunks)), mine[(at < 0) | (at + 2 * nd > len(index.coords))]))
-        box = index.coords[at[:, None] + np.arange(2 * nd)] if nd else np.zeros((len(mine), 0), np.int64)
-        offsets, sizes = box[:, :nd], box[:, nd:]
-        shape = index.dims[keys[chunk_key[mine], 3][:, None] + np.arange(nd)] if nd else offsets
-        bad = (offsets < 0).any(1) | (sizes < 0).any(1) | (offsets + sizes > shape).any(1)
-        if bad.any():
-            where = np.zeros(len(chunks), bool)
-            where[mine[bad]] = True
-            raise refuse("chunks", "offsets + sizes within the tensor's shape", where)
-        itemsize = np.array([_DTYPES[d].itemsize for d in index.dtypes] or [1], np.int64)[keys[chunk_key[mine], 1]]
-        raw = chunks[mine, 4] == 0
-        too_small = raw & (chunks[mine, 3] < np.prod(sizes, axis=1, dtype=np.float64) * itemsize)
-        if too_small.any():
-            where = np.zeros(len(chunks), bool)
-            where[mine[too_small]] = True
-            raise refuse("chunks", "at least the chunk's bytes (stored raw)", where)
-        if nd == 1:
-            one_d = (chunk_key[mine], offsets[:, 0], sizes[:, 0])
-    # Once every chunk's box is checked: on one line when the index has one, else key by key.
-    line = index.line_chunks() if isinstance(index, CheckpointIndex) else None
-    if line is None and one_d is not None:
-        _check_disjoint_1d(*one_d, source)
-    if line is not None:
-        _, starts, ends = line[:3]
-        overlap = starts[1:] < ends[:-1]
-        if overlap.any():
-            raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual "
-                                         f"two overlapping at line position {int(starts[1:][overlap][0])}")
+    chunk_key = _chunk_keys(index.keys)
+    frame = _line_frame(index, chunk_key) if isinstance(index, CheckpointIndex) else None
+    built, one_d = _LineBuilder(index, frame) if frame is not None else None, []
+    for n, mine, box in _chunk_boxes(index, chunk_key, refuse):
+        _check_boxes(index, refuse, n, mine, chunk_key[mine], box)
+        if built is not None:
+            built.add(n, mine, box)
+        elif n == 1:
+            one_d.append((chunk_key[mine], box[:, 0], box[:, 1]))
+    if built is None:
+        if one_d:
+            _check_disjoint_1d(*(np.concatenate(c) for c in zip(*one_d)), source)
+        return
+    _, starts, ends = index.line_chunks(built)[:3]
+    overlap = starts[1:] < ends[:-1]
+    if overlap.any():
+        raise CorruptCheckpointError(f"{source}: chunks: expected the chunks of a tensor disjoint, actual "
+                                     f"two overlapping at line position {int(starts[1:][overlap][0])}")
+
+
+def _check_boxes(index: Any, refuse: Any, n: int, mine: np.ndarray, k: np.ndarray, box: np.ndarray) -> None:
+    """The chunks ``mine`` (keys ``k``, boxes ``box``) inside their tensor, and each stored raw
+    in an item of at least its bytes."""
+    chunks, keys = index.chunks, index.keys
+    # Unsigned (a negative value past 2**63), an offset in [0, dim] and a size in [0, dim - offset]:
+    # no sum to overflow.
+    off, size = box[:, :n].view("<u8"), box[:, n:].view("<u8")
+    dim = index.dims[keys[k, 3][:, None] + np.arange(n)].view("<u8") if n else off
+    bad = (off > dim).any(1) | (size > dim - off).any(1)
+    if bad.any():
+        where = np.zeros(len(chunks), bool)
+        where[mine[bad]] = True
+        raise refuse("chunks", "offsets + sizes within the tensor's shape", where)
+    itemsize = np.array([_DTYPES[d].itemsize for d in index.dtypes] or [1], np.int64)[keys[k, 1]]
+    rows = np.take(chunks, mine, axis=0)
+    too_small = (rows[:, 4] == 0) & (rows[:, 3] < np.prod(box[:, n:], axis=1, dtype=np.float64) * itemsize)
+    if too_small.any():
+        where = np.zeros(len(chunks), bool)
+        where[mine[too_small]] = True
+        raise refuse("chunks", "at least the chunk's bytes (stored raw)", where)
 
 
 def _check_disjoint_1d(keys: np.ndarray, starts: np.ndarray, sizes: np.ndarray, source: str) -> None:
@@ -550,27 +614,69 @@ def _from_wire(wire: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
 
 ABSENT = 2
 """A sub-index row's kind for a key the checkpoint does not hold (DCP's plan then names it)."""
+_BLOCK_REQUESTS = 1 << 18
 
 
 def select(index: CheckpointIndex, wires: list[Any], hashed: Iterable[str]) -> list[bytes]:
     """Each rank's sub-index: for each of its boxes, in its order, the key's shape and the chunks
     overlapping the box; and the files of ``hashed`` it reads whole and hashes (each file one
-    rank's: the one that reads most of it, else dealt out)."""
-    ranks = len(wires)
+    rank's: the one that reads most of it, else dealt out).
+
+    Ranks a block at a time (``_BLOCK_REQUESTS`` boxes), twice: the pairs, then (once every
+    rank's reads are known) the answers. Each block's arrays stay small enough for the caches
+    and for the allocator to reuse: at 5,120 ranks, whole-request arrays of 40 MB were mapped
+    and faulted in afresh by every temporary."""
     parts = [_from_wire(w) for w in wires]
     counts = np.array([len(p[0]) for p in parts], np.int64)
-    rank_of = np.repeat(np.arange(ranks), counts)
-    hashes = np.concatenate([p[0] for p in parts]) if ranks else np.zeros(0, np.int64)
-    ndim = np.concatenate([p[1] for p in parts]) if ranks else np.zeros(0, np.int64)
-    coord_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])[:-1]]).astype(np.int64)
-    at = np.concatenate([p[2] + coord_base[r] for r, p in enumerate(parts)]) if ranks else np.zeros(0, np.int64)
-    coords = np.concatenate([p[3] for p in parts]) if ranks else np.zeros(0, np.int64)
-    if ((ndim < -1) | (ndim > _MAX_DIMS) | (at < 0) | (at + 2 * np.maximum(ndim, 0) > len(coords))).any():
+    per_block = max(1, _BLOCK_REQUESTS * len(parts) // max(1, int(counts.sum())))
+    blocks = [(r0, min(len(parts), r0 + per_block)) for r0 in range(0, len(parts), per_block)]
+    found = [_block_pairs(index, parts[r0:r1], r0) for r0, r1 in blocks]
+    owners = hash_owners(index, [(f.runs, f.run_bytes) for f in found], list(hashed), len(parts))
+    answers: list[bytes] = []
+    for (r0, r1), f in zip(blocks, found):
+        answers.extend(_block_answers(index, f, [owners.get(r, []) for r in range(r0, r1)]))
+    return answers
+
+
+@dataclass
+class _Pairs:
+    """A block of ranks' requests and the chunks answering them (``select``'s first pass)."""
+
+    key: np.ndarray
+    """Each request's key (-1: none of that name)."""
+    req: np.ndarray
+    chunk: np.ndarray
+    """(request, chunk) pairs, sorted by request (numbered inside the block)."""
+    bounds: np.ndarray
+    """Each rank's first request, then the block's count."""
+    pair_bounds: np.ndarray
+    """Each rank's first pair, then the block's count."""
+    r0: int
+    """The block's first rank."""
+    runs: np.ndarray
+    run_starts: np.ndarray
+    run_bytes: np.ndarray
+    """``_reads`` of the pairs (ranks numbered among all)."""
+
+
+def _block_pairs(index: CheckpointIndex, parts: list[tuple], r0: int) -> _Pairs:
+    """The pairs of the ranks ``r0``, ``r0 + 1``, ... whose requests are ``parts``. ValueError
+    for a box outside its own rank's coordinates."""
+    counts = np.array([len(p[0]) for p in parts], np.int64)
+    lens = np.array([len(p[3]) for p in parts], np.int64)
+    hashes, ndim = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    at = np.concatenate([p[2] for p in parts])
+    coords = np.concatenate([p[3] for p in parts])
+    own = np.repeat(lens, counts)
+    if ((ndim < -1) | (ndim > _MAX_DIMS) | (at < 0) | (at > own - 2 * np.maximum(ndim, 0))).any():
         raise ValueError("index request: a box outside its coordinates")
+    at += np.repeat(_exclusive(lens)[:-1], counts)
     key = _key_of(index, hashes)
     req, chunk = _overlaps(index, key, ndim, at, coords)
-    owners = hash_owners(index, rank_of[req], chunk, list(hashed), ranks)
-    return _answers(index, key, req, chunk, _exclusive(counts), owners)
+    bounds = _exclusive(counts)
+    pair_bounds = np.searchsorted(req, bounds)
+    rank = np.repeat(np.arange(r0, r0 + len(parts)), np.diff(pair_bounds))
+    return _Pairs(key, req, chunk, bounds, pair_bounds, r0, *_reads(index, rank, chunk))
 
 
 def _key_of(index: CheckpointIndex, hashes: np.ndarray) -> np.ndarray:
@@ -619,6 +725,8 @@ def _overlaps(index: CheckpointIndex, key: np.ndarray, ndim: np.ndarray, at: np.
     pairs_r.append(r)
     pairs_c.append(c)
     req, chunk = np.concatenate(pairs_r).astype(np.int64, copy=False), np.concatenate(pairs_c).astype(np.int64, copy=False)
+    if not (req[1:] < req[:-1]).any():  # the exact path's pairs alone (a restart on the saved layout)
+        return req, chunk
     order = np.argsort(req, kind="stable")
     return req[order], chunk[order]
 
@@ -628,36 +736,55 @@ def _exact_pairs(index: Any, line: tuple, key: np.ndarray, at: np.ndarray, coord
     """(which of ``boxed`` are exactly a saved chunk of their key, those chunks): the chunk whose
     first element is the box's, found on the line, then compared. The chunks of a key are
     disjoint (checked), so such a box overlaps no other. An empty box is left to the others.
-    ``offsets_only``: ``coords`` holds offsets only (a save's entries), compared as such.
-    Column by column: each a gather of one value per box."""
-    base, starts, _, rows, stride, chunk_key = line
+    ``offsets_only``: ``coords`` holds offsets only (a save's entries), compared as such;
+    else the sizes only (``_line_position``). Column by column: each a gather of one value per box."""
+    _, starts, ends, rows, _, chunk_key = line
     hit, chunk = np.zeros(len(boxed), bool), np.zeros(len(boxed), np.int64)
     if not len(starts):
         return hit, chunk[:0]
     dims_at = np.ascontiguousarray(index.keys[:, 3])
-    groups = np.unique(knd[boxed])
+    nds = knd[boxed]
+    groups = np.flatnonzero(np.bincount(nds)).tolist() if len(nds) else []
     for nd in groups:
-        nd = int(nd)
-        mine = np.flatnonzero(knd[boxed] == nd) if len(groups) > 1 else np.arange(len(boxed))
+        mine = np.flatnonzero(nds == nd) if len(groups) > 1 else np.arange(len(boxed))
         r = boxed[mine]
         k, first = key[r], at[r]
-        ok, position = np.ones(len(r), bool), base[k]
-        for j in range(nd):
-            offset, d = coords[first + j], dims_at[k] + j
-            if not offsets_only:
-                size = coords[first + nd + j]
-                ok &= (size > 0) & (offset + size <= index.dims[d])
-            position = position + offset * stride[d]
+        position, ok = _line_position(index, line, dims_at, k, first, coords, nd, offsets_only)
         i = np.minimum(np.searchsorted(starts, position), len(starts) - 1)
         c = rows[i]
         same = np.flatnonzero(ok & (starts[i] == position) & (chunk_key[c] == k))
-        r_first, c_first = first[same], index.chunks[c[same], 0]
-        equal = np.ones(len(same), bool)
-        for j in range(nd if offsets_only else 2 * nd):
-            equal &= index.coords[c_first + j] == coords[r_first + j]
+        r_first, equal = first[same], np.ones(len(same), bool)
+        if offsets_only:
+            c_first = index.chunks[c[same], 0]
+            for j in range(nd):
+                equal &= index.coords[c_first + j] == coords[r_first + j]
+        elif nd == 1:  # a 1-D chunk's end on the line is its first element + its size
+            equal &= ends[i[same]] - starts[i[same]] == coords[r_first + 1]
+        else:
+            c_first = index.chunks[c[same], 0]
+            for j in range(nd, 2 * nd):
+                equal &= index.coords[c_first + j] == coords[r_first + j]
         hit[mine[same[equal]]] = True
         chunk[mine] = c
     return hit, chunk[hit]
+
+
+def _line_position(index: Any, line: tuple, dims_at: np.ndarray, k: np.ndarray, first: np.ndarray,
+                   coords: np.ndarray, nd: int, offsets_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(each box's first element on the line, whether the box lies inside its tensor: each
+    offset in [0, dim), each size in (0, dim - offset], so that no sum overflows). Offsets
+    inside the tensor give distinct positions, so a box inside whose position and key are a
+    chunk's has that chunk's offsets: only the sizes are left to compare. ``offsets_only``:
+    no sizes, every box "inside" (the offsets are compared)."""
+    base, stride = line[0], line[4]
+    ok, position = np.ones(len(k), bool), base[k]
+    for j in range(nd):
+        offset, d = coords[first + j], dims_at[k] + j
+        if not offsets_only:
+            size, dim = coords[first + nd + j], index.dims[d]
+            ok &= (offset >= 0) & (offset < dim) & (size > 0) & (size <= dim - offset)
+        position = position + offset * stride[d]
+    return position, ok
 
 
 def _key_pairs(index: CheckpointIndex, key: np.ndarray, at: np.ndarray, coords: np.ndarray,
@@ -756,22 +883,29 @@ def _box_pairs(r_box: np.ndarray, c_box: np.ndarray, nd: int) -> tuple[np.ndarra
     return np.concatenate(rs), np.concatenate(cs)
 
 
-def hash_owners(index: CheckpointIndex, rank: np.ndarray, chunk: np.ndarray, hashed: list[str],
+def _reads(index: CheckpointIndex, rank: np.ndarray, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(``rank * files + file`` of each run of pairs reading one file, its first pair, the bytes
+    it reads). Pairs come in rank order and mostly in runs of one file (5,120 ranks: 5M pairs,
+    1.3M runs); a block of ranks ends no run, so the blocks' runs are the whole's."""
+    if not len(chunk):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+    pair = rank * len(index.files) + index.chunks[chunk, 1]
+    starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
+    return pair[starts], starts, np.add.reduceat(index.chunks[chunk, 3].astype(np.float64), starts)
+
+
+def hash_owners(index: CheckpointIndex, reads: list[tuple[np.ndarray, np.ndarray]], hashed: list[str],
                 ranks: int) -> dict[int, list[str]]:
     """The files each rank reads whole and hashes: each of ``hashed`` by the rank that reads most
-    of its bytes (a file nobody reads: dealt out in turn)."""
+    of its bytes (``reads``: ``_reads`` of every block, in rank order; a file nobody reads:
+    dealt out in turn)."""
     position = {name: i for i, name in enumerate(index.files)}
     owners: dict[int, list[str]] = {}
     best: dict[int, int] = {}
-    if len(chunk):
-        file = index.chunks[chunk, 1]
-        pair = rank * len(index.files) + file
-        # Pairs come in rank order and mostly in runs of one file: sum the runs first, then
-        # the few (rank, file) left (5,120 ranks: 5M pairs, some thousands of runs).
-        starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
-        sums = np.add.reduceat(index.chunks[chunk, 3].astype(np.float64), starts)
-        uniq, inverse = np.unique(pair[starts], return_inverse=True)
-        read = np.bincount(inverse.reshape(-1), weights=sums)
+    runs = np.concatenate([r[0] for r in reads] or [np.zeros(0, np.int64)])
+    if len(runs):
+        uniq, inverse = np.unique(runs, return_inverse=True)
+        read = np.bincount(inverse.reshape(-1), weights=np.concatenate([r[1] for r in reads]))
         by_file = uniq % len(index.files)
         order = np.lexsort((uniq // len(index.files), -read, by_file))
         first = np.concatenate([[True], by_file[order][1:] != by_file[order][:-1]])
@@ -791,33 +925,16 @@ def _exclusive(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-_BLOCK_REQUESTS = 1 << 18
-
-
-def _answers(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray, bounds: np.ndarray,
-             owners: dict[int, list[str]]) -> list[bytes]:
-    """Every rank's answer (``SubIndex``), ranks a block at a time (a block's tables built at
-    once, then cut per rank): a row per request, in its order."""
-    ranks = len(bounds) - 1
-    pair_bounds = np.searchsorted(req, bounds)
-    per_block = max(1, _BLOCK_REQUESTS * ranks // max(1, int(bounds[-1])))
-    answers: list[bytes] = []
-    for r0 in range(0, ranks, per_block):
-        r1 = min(ranks, r0 + per_block)
-        q0, q1, p0, p1 = bounds[r0], bounds[r1], pair_bounds[r0], pair_bounds[r1]
-        answers.extend(_block_answers(index, key[q0:q1], req[p0:p1] - q0, chunk[p0:p1], bounds[r0:r1 + 1] - q0,
-                                      pair_bounds[r0:r1 + 1] - p0, [owners.get(r, []) for r in range(r0, r1)]))
-    return answers
-
-
-def _block_answers(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chunk: np.ndarray,
-                   bounds: np.ndarray, pair_bounds: np.ndarray, hashed: list[list[str]]) -> list[bytes]:
-    """The answers of a block of ranks (``bounds``: each rank's first request; ``pair_bounds``:
-    its first (request, chunk) pair)."""
-    rows = np.zeros((len(key), 7), np.int64)
+def _block_answers(index: CheckpointIndex, pairs: _Pairs, hashed: list[list[str]]) -> list[bytes]:
+    """The answers (``SubIndex``) of a block of ranks, its tables built at once, then cut per
+    rank: a row per request, in its order. Rows are gathered with ``np.take`` (a third of
+    fancy indexing's time on rows of a 2-D table)."""
+    key, req, chunk, bounds, pair_bounds = pairs.key, pairs.req, pairs.chunk, pairs.bounds, pairs.pair_bounds
     known = key >= 0
-    rows[known] = index.keys[key[known]]
-    rows[~known, 0] = ABSENT
+    rows = np.take(index.keys, np.maximum(key, 0), axis=0) if len(index.keys) else np.zeros((len(key), 7), np.int64)
+    if not known.all():
+        rows[~known] = 0
+        rows[~known, 0] = ABSENT
     rows[:, 5] = np.bincount(req, minlength=len(key))
     rank_of = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
     rows[:, 4] = _exclusive(rows[:, 5])[:-1] - pair_bounds[rank_of]
@@ -826,37 +943,40 @@ def _block_answers(index: CheckpointIndex, key: np.ndarray, req: np.ndarray, chu
     dims = index.dims[np.repeat(rows[:, 3] - dims_at[:-1], nd) + np.arange(dims_at[-1])]
     rows[:, 3] = dims_at[:-1] - dims_at[bounds][rank_of]
     rows[rows[:, 0] != 0, 2] = 0
-    chunks = index.chunks[chunk]
+    chunks = np.take(index.chunks, chunk, axis=0)
     c_nd = rows[req, 2]
     coords_at = _exclusive(2 * c_nd)
-    coords = index.coords[np.repeat(chunks[:, 0] - coords_at[:-1], 2 * c_nd) + np.arange(coords_at[-1])]
-    pair_rank = rank_of[req]
-    chunks[:, 0] = np.where((c_nd == 0) & (chunks[:, 0] < 0), -1, coords_at[:-1] - coords_at[pair_bounds][pair_rank])
-    used, local = _files_used(pair_rank, chunks[:, 1], len(index.files))
+    at = np.repeat(chunks[:, 0] - coords_at[:-1], 2 * c_nd)
+    at += np.arange(coords_at[-1])
+    coords = index.coords[at]
+    chunks[:, 0] = np.where((c_nd == 0) & (chunks[:, 0] < 0), -1,
+                            coords_at[:-1] - np.repeat(coords_at[pair_bounds[:-1]], np.diff(pair_bounds)))
+    used, local = _files_used(pairs, len(index.files))
     chunks[:, 1] = local
-    file_bounds = np.searchsorted(used // max(1, len(index.files)), np.arange(len(bounds)))
+    files = max(1, len(index.files))
+    names = [index.files[f] for f in (used % files).tolist()]
+    file_bounds = np.searchsorted(used // files, np.arange(pairs.r0, pairs.r0 + len(bounds))).tolist()
+    dims_cut, coords_cut = dims_at[bounds].tolist(), coords_at[pair_bounds].tolist()
+    bounds, pair_bounds = bounds.tolist(), pair_bounds.tolist()
     out = []
     for r in range(len(bounds) - 1):
-        files = [index.files[int(f)] for f in used[file_bounds[r]:file_bounds[r + 1]] % len(index.files)]
-        header = {"keys": None, "files": files, "dtypes": index.dtypes, "hash": hashed[r],
-                  "dcp_version": index.dcp_version}
-        out.append(_pack(header, {"keys": rows[bounds[r]:bounds[r + 1]], "dims": dims[dims_at[bounds[r]]:dims_at[bounds[r + 1]]],
+        header = {"keys": None, "files": names[file_bounds[r]:file_bounds[r + 1]], "dtypes": index.dtypes,
+                  "hash": hashed[r], "dcp_version": index.dcp_version}
+        out.append(_pack(header, {"keys": rows[bounds[r]:bounds[r + 1]], "dims": dims[dims_cut[r]:dims_cut[r + 1]],
                                   "chunks": chunks[pair_bounds[r]:pair_bounds[r + 1]],
-                                  "coords": coords[coords_at[pair_bounds[r]]:coords_at[pair_bounds[r + 1]]]}))
+                                  "coords": coords[coords_cut[r]:coords_cut[r + 1]]}))
     return out
 
 
-def _files_used(rank: np.ndarray, file: np.ndarray, files: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct (rank, file) pairs as ``rank * files + file``, sorted; each pair's file
-    numbered among its rank's files). Pairs mostly come in runs of one file."""
-    if not len(rank):
+def _files_used(pairs: _Pairs, files: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct (rank, file) pairs of a block as ``rank * files + file``, sorted; each
+    pair's file numbered among its rank's files), from the runs ``_reads`` found."""
+    if not len(pairs.runs):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    pair = rank * files + file
-    starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
-    used, inverse = np.unique(pair[starts], return_inverse=True)
+    used, inverse = np.unique(pairs.runs, return_inverse=True)
     first = np.searchsorted(used // files, used // files, side="left")
     local = (np.arange(len(used)) - first)[inverse.reshape(-1)]
-    return used, np.repeat(local, np.diff(np.append(starts, len(pair))))
+    return used, np.repeat(local, np.diff(np.append(pairs.run_starts, len(pairs.chunk))))
 
 
 # -- every rank: its own load's Metadata -----------------------------------------------------------------
