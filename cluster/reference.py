@@ -106,8 +106,11 @@ class Measured:
     """Rank 0 unpickling every rank's write results at the end of a save, packed as the adapter's
     writer sends them (results_gather_s)."""
     metadata_write_s: float
-    """Rank 0 writing ``.metadata`` at every save, laid out from those results' columns
-    (metadata_write_s)."""
+    """Rank 0 writing ``.metadata`` at a save of the same plan as the save before, laid out from
+    those results' columns and the plan's tables (metadata_write_s)."""
+    metadata_write_first_s: float
+    """The same at a process's first save, which makes the plan's tables
+    (metadata_write_first_s)."""
     index_mib: float
     """The index, ``index.resume``, for the reference layout (index_bytes)."""
     index_write_s: float
@@ -146,13 +149,13 @@ class Measured:
     every other rank, of the object rank 0 sends."""
 
 
-MEASURED = Measured(save_control_plane_s=0.811, save_gather_s=0.284, save_received_bytes=290,
-                    manifest_parse_s=0.052, discovery_s=0.096, restore_control_plane_s=1.33,
-                    metadata_mib=461.2, results_gather_s=0.62, metadata_write_s=31.2, index_mib=207.3,
-                    index_write_s=1.34, index_write_first_s=8.4, index_rank0_s=5.17, index_other_rank_s=0.022,
-                    dcp_plan_s=87.0, dcp_plan_cached_s=0.0004, load_plan_s=0.019, load_plan_full_metadata_s=0.225,
-                    restore_received_kib=1372.7, metadata_restricted_s=288.0, metadata_pickle_s=50.2,
-                    metadata_unpickle_s=88.6)
+MEASURED = Measured(save_control_plane_s=0.758, save_gather_s=0.311, save_received_bytes=290,
+                    manifest_parse_s=0.052, discovery_s=0.111, restore_control_plane_s=1.27,
+                    metadata_mib=553.2, results_gather_s=0.077, metadata_write_s=5.99, metadata_write_first_s=12.8,
+                    index_mib=207.3, index_write_s=0.82, index_write_first_s=2.44, index_rank0_s=2.56,
+                    index_other_rank_s=0.039, dcp_plan_s=87.0, dcp_plan_cached_s=0.0004, load_plan_s=0.024,
+                    load_plan_full_metadata_s=0.235, restore_received_kib=1372.7, metadata_restricted_s=288.0,
+                    metadata_pickle_s=66.3, metadata_unpickle_s=108.8)
 
 
 # -- assumed: the inputs -------------------------------------------------------------------------
@@ -293,8 +296,9 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         f"{by} results_gather_s (every rank's write results, packed as arrays, unpickled on rank 0 "
         f"at the end of the save, before the commit)"))
     f["metadata_write"] = Figure(m.metadata_write_s, "s", (
-        f"{by} metadata_write_s (.metadata, laid out from the results' columns by dumps_metadata; "
-        f"in the save, before the commit)"))
+        f"{by} metadata_write_s (.metadata, laid out by metadata_parts from the results' columns and "
+        f"the plan's tables, at a later save of the same plan; in the save, before the commit; a "
+        f"process's first save {_number(m.metadata_write_first_s)} s, metadata_write_first_s)"))
     f["index"] = Figure(m.index_mib, "MiB", f"{by} index_bytes")
     f["index_write"] = Figure(m.index_write_s, "s", (
         f"{by} index_write_s (encode_index of the finished Metadata and its write, at a later save "
@@ -330,8 +334,9 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
         f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0 gathering the write "
         f"results {_number(m.results_gather_s)}, writing .metadata {_number(m.metadata_write_s)} and "
         f"the index {_number(m.index_write_s)} s (DCP's end-of-save broadcast carries a summary, not "
-        f"the Metadata); a process's first save plans uncached and builds the index's plan tables: + "
-        f"{_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + {_number(m.index_write_first_s - m.index_write_s)} s"))
+        f"the Metadata); a process's first save plans uncached and makes the plan's tables: + "
+        f"{_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + "
+        f"{_number(m.metadata_write_first_s + m.index_write_first_s - m.metadata_write_s - m.index_write_s)} s"))
     async_s = m.save_gather_s + staging_s
     f["stall_async"] = Figure(async_s, "s", (
         f"computed: gather and assembly {_number(m.save_gather_s)} + staging copy {_number(staging_s)} s "

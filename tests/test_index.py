@@ -465,3 +465,28 @@ def test_another_model_shape_is_refused_as_before_and_no_checkpoint_is_moved_asi
     coord.close()
     assert sorted(n for n in os.listdir(run) if n.startswith(("step-", "quarantine"))) == \
         ["step-000000002", "step-000000004"]
+
+
+def test_the_legacy_check_of_a_tensor_of_many_chunks_looks_each_up_once():
+    """``.metadata``'s check of storage_data against a tensor of 20,000 chunks (the legacy path):
+    each entry's chunk found by its offsets in a table made once, not by a walk over every chunk
+    (minutes before)."""
+    from resume.adapters.dcp.metadata_check import stored_bytes
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    n = 20_000
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n, 4]),
+                                  [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(n)])
+    entry.chunks.append(ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4])))  # the first of equal wins
+    chunks_at: dict = {}
+    found = [stored_bytes(entry, MetadataIndex("w", torch.Size([i, 0])), chunks_at) for i in range(n)]
+    assert found == [16] * n
+    assert stored_bytes(entry, MetadataIndex("w", torch.Size([n, 0])), chunks_at) is None
+    assert stored_bytes(entry, MetadataIndex("w", torch.Size([0, 0]))) == 16
+    (table_entry, table), = chunks_at.values()  # one table, of every distinct offset
+    assert table_entry is entry and len(table) == n

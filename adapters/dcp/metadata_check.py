@@ -138,6 +138,7 @@ def _check_storage_data(storage: Any, entries: dict, source: str, file_sizes: Ma
                         transforms: Collection[str] | None) -> None:
     if type(storage) is not dict:
         raise _refuse(source, "storage_data", "a dict", type(storage).__name__)
+    chunks_at: dict = {}
     for index, info in storage.items():
         if type(index) is not MetadataIndex or type(index.fqn) is not str or index.fqn not in entries:
             raise _refuse(source, "storage_data key", "a MetadataIndex naming a state_dict_metadata entry",
@@ -151,21 +152,30 @@ def _check_storage_data(storage: Any, entries: dict, source: str, file_sizes: Ma
             raise _refuse(source, f"{field}.transform_descriptors",
                           f"only {sorted(transforms)} (the compression the manifest records)" if transforms
                           else "none (the run's manifest records no compression)", named)
-        stored = stored_bytes(entries[index.fqn], index)
+        stored = stored_bytes(entries[index.fqn], index, chunks_at)
         if stored is not None and not info.transform_descriptors and stored > info.length:
             # Stored raw, a chunk takes at least its bytes: a larger shape than the file holds.
             raise _refuse(source, f"{field}.length", f"at least the chunk's {stored} bytes", info.length)
 
 
-def stored_bytes(entry: Any, index: MetadataIndex) -> int | None:
+def stored_bytes(entry: Any, index: MetadataIndex, chunks_at: dict | None = None) -> int | None:
     """The uncompressed bytes of the chunk ``index`` names (None: a bytes entry, or no such
-    chunk): what its item may hold, and decompress to, besides torch.save's framing."""
+    chunk): what its item may hold, and decompress to, besides torch.save's framing.
+    ``chunks_at``: a dict kept by the caller over many calls, in which each entry's chunks are
+    looked up by offsets (made once per entry: a tensor of thousands of chunks, each looked up
+    in a loop over them, took minutes)."""
     if type(entry) is not TensorStorageMetadata or index.offset is None:
         return None
-    for chunk in entry.chunks:
-        if tuple(chunk.offsets) == tuple(index.offset):
-            return chunk_bytes(chunk, entry.properties.dtype)
-    return None
+    if chunks_at is None:
+        chunk = next((c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+    else:
+        by_offsets = chunks_at.get(id(entry))
+        if by_offsets is None or by_offsets[0] is not entry:
+            by_offsets = chunks_at[id(entry)] = (entry, {})
+            for c in reversed(entry.chunks):  # the first of equal offsets wins, as in the loop
+                by_offsets[1][tuple(c.offsets)] = c
+        chunk = by_offsets[1].get(tuple(index.offset))
+    return None if chunk is None else chunk_bytes(chunk, entry.properties.dtype)
 
 
 def _check_storage_info(info: Any, source: str, field: str, file_sizes: Mapping[str, int] | None) -> None:

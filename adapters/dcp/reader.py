@@ -181,7 +181,8 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     def _expected_bytes(self, req) -> int:
         index = req.storage_index
         entry = self.preloaded_metadata.state_dict_metadata.get(index.fqn) if self.preloaded_metadata else None
-        stored = stored_bytes(entry, index) if entry is not None else None
+        chunks_at = vars(self).setdefault("_chunks_at", {})  # each entry's chunks by offsets, kept
+        stored = stored_bytes(entry, index, chunks_at) if entry is not None else None
         return BYTES_ITEM_CAP if stored is None else stored + ZIP_FRAMING
 
     def _item(self, stream, req, cap: int, where: str, segments: list | None = None) -> io.IOBase:
