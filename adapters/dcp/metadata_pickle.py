@@ -84,7 +84,7 @@ def dumps_metadata(metadata: Metadata, written: Written | None = None) -> bytes:
 
 def metadata_parts(metadata: Metadata, written: Written | None = None) -> list[Any]:
     """``dumps_metadata``'s bytes as the buffers (bytes, one-dimensional uint8 arrays) that
-    follow each other in it: written one after the other, no copy of them all is made (461 MiB
+    follow each other in it: written one after the other, no copy of them all is made (553 MiB
     at 5,120 ranks)."""
     fast = None
     if type(metadata) is Metadata and _reduces_as_written():
@@ -224,9 +224,9 @@ payload of 64 KiB or more."""
 
 def _head(top: Metadata, replaced: list[Any], placeholders: list[Any]) -> tuple[bytes, list[int], int] | None:
     """``top`` (the metadata with parts ``replaced`` by placeholders: an empty dict for
-    ``storage_data``, empty chunk lists) pickled as ``pickle.dump`` would, its STOP dropped; each placeholder's memo index and
-    the first memo index free. None where the stream is not one this module can extend (then
-    the standard pickler writes it all)."""
+    ``storage_data``, empty chunk lists) pickled as ``pickle.dump`` would, its STOP dropped;
+    each placeholder's memo index and the first memo index free. None where the stream is not
+    one this module can extend (then the standard pickler writes it all)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=_PROTOCOL)
     pickler.dump(top)
@@ -475,13 +475,9 @@ def _descriptors(found: list[Any], table: dict[str, int]) -> tuple[list[tuple[st
 
 _CHUNK_FIELDS = ["offsets", "sizes"]
 """A ``ChunkStorageMetadata``'s ``__dict__``, in order."""
-
-
 _KEPT: list[tuple[PlanTables, np.ndarray, list[Any]]] = []
 """The last plan's tables, which of their keys the records reproduce and each key's chunk list
 as it was then."""
-
-
 _RECORDS: list[tuple[PlanTables, tuple, list[Any]]] = []
 """The last chunk records laid out: the tables, the head's slots and base they refer to, the parts."""
 
@@ -492,7 +488,6 @@ class _ChunkLists:
     plan's copy with those lists emptied goes in the head, then each list's chunks are
     appended to it (``LONG_BINGET list MARK <chunk records> APPENDS POP``). A key whose entry
     or chunks are not exactly as the records reproduce keeps its own list, in the head."""
-
 
     def __init__(self, tables: PlanTables, plain: np.ndarray, seen: list[Any]) -> None:
         self.tables, self.keys = tables, np.flatnonzero(plain & (tables.keys[:, 5] > 0))
@@ -544,7 +539,7 @@ class _ChunkLists:
         kind = "int32" if not len(tables.coords) or (tables.coords.min() >= _INT32[0]
                                                       and tables.coords.max() <= _INT32[1]) else "int64"
         ndims, first, count = keys[self.keys, 2], keys[self.keys, 4], keys[self.keys, 5]
-        rows_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        rows_of: dict[int, tuple[np.ndarray, int]] = {}  # each list's table and where its rows end
         for nd in np.unique(ndims).tolist():
             mine = np.flatnonzero(ndims == nd)
             ends = np.cumsum(count[mine])
