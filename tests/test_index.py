@@ -490,3 +490,22 @@ def test_the_legacy_check_of_a_tensor_of_many_chunks_looks_each_up_once():
     assert stored_bytes(entry, MetadataIndex("w", torch.Size([0, 0]))) == 16
     (table_entry, table), = chunks_at.values()  # one table, of every distinct offset
     assert table_entry is entry and len(table) == n
+
+
+def test_a_later_save_whose_ranks_wrote_the_same_encodes_the_same_index_and_a_changed_one_its_own():
+    """The index is kept with the plan's tables and the save's columns: the same columns
+    (``written_of`` hands them back) give the same bytes without encoding; other columns are
+    encoded, and the index says their values."""
+    from resume.adapters.dcp.written import Written
+
+    metadata, _ = finished_metadata(4)
+    written = ix.columns_of(metadata.storage_data)
+    data = ix.encode_index(metadata, written)
+    assert ix.encode_index(metadata, written) is data
+    moved = Written(**{**vars(written), "offset": written.offset + 64})
+    other = ix.encode_index(metadata, moved)
+    assert other != data
+    assert ix.encode_index(metadata, written) == data  # equal columns, another object: encoded again
+    before = ix.CheckpointIndex.parse(data, source="i", file_sizes=None, compression=None)
+    after = ix.CheckpointIndex.parse(other, source="i", file_sizes=None, compression=None)
+    assert (after.chunks[:, 2][before.chunks[:, 2] >= 0] == before.chunks[:, 2][before.chunks[:, 2] >= 0] + 64).all()

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from resume.adapters.dcp.metadata_pickle import dumps_metadata
 from resume.adapters.dcp.plan_cache import kept
 from resume.adapters.dcp.unpickle import restricted_load_metadata
-from resume.adapters.dcp.written import PackedWrites, StorageEntries, Written, written_of
+from resume.adapters.dcp.written import PackedWrites, StorageEntries, Written, as_write_results, written_of
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -435,3 +435,50 @@ def test_the_next_save_of_a_plan_reuses_its_chunk_records_and_reads_back_alike()
     later.planner_data = {"other": ("x",)}
     ours = assert_reads_back_alike(later)
     assert ours == dumps_metadata(later)
+
+
+def packed_by_file(metadata: Metadata) -> list:
+    """Each file's write results, packed and pickled by its rank, as rank 0 receives them."""
+    by_file: dict[str, list] = {}
+    for key, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append(WriteResult(key, info.length, info))
+    return [pickle.dumps(PackedWrites(results)) for results in by_file.values()]
+
+
+def assert_gathered_reads_back_alike(metadata: Metadata, blobs: list[bytes]) -> tuple[Written, bytes]:
+    written = written_of([pickle.loads(b) for b in blobs])
+    standard = pickle.dumps(with_storage(metadata, StorageEntries(written).as_dict()))
+    ours = dumps_metadata(with_storage(metadata, StorageEntries(written)), written)
+    assert_read_alike(ours, standard)
+    return written, ours
+
+
+def test_a_later_save_whose_ranks_wrote_the_same_writes_the_same_records_and_a_changed_one_its_own():
+    """The storage records are kept with the columns they came from: the next save of the plan
+    whose every rank wrote the same writes them again (the same bytes); a save where one rank's
+    entry grew (its later offsets shifted) is laid out anew and reads back its own values; the
+    same columns under a head of another length still read back alike."""
+    from resume.adapters.dcp import metadata_pickle
+
+    metadata = by_hand(files=3, chunks=2)
+    blobs = packed_by_file(metadata)
+    written, ours = assert_gathered_reads_back_alike(metadata, blobs)
+    kept = metadata_pickle._STORAGE[0].parts
+    again, ours_again = assert_gathered_reads_back_alike(metadata, blobs)
+    assert again is written and ours_again == ours and metadata_pickle._STORAGE[0].parts is kept
+
+    rank = as_write_results(pickle.loads(blobs[1]))
+    rank[0].storage_data.length += 40  # its first entry grew: every later entry of its file moves on
+    for result in rank[1:]:
+        result.storage_data.offset += 40
+    changed, ours_changed = assert_gathered_reads_back_alike(metadata, [blobs[0], pickle.dumps(PackedWrites(rank)), *blobs[2:]])
+    assert changed is not written and ours_changed != ours
+    loaded = pickle.loads(ours_changed).storage_data
+    assert loaded[rank[0].index].length == rank[0].storage_data.length
+    assert all(loaded[r.index].offset == r.storage_data.offset for r in rank)
+
+    base = metadata_pickle._STORAGE[0].base
+    busier = with_storage(metadata, metadata.storage_data)
+    busier.planner_data = {f"k{i}": (f"k{i}", str(i)) for i in range(300)}  # the head's memo grows
+    same, _ = assert_gathered_reads_back_alike(busier, [blobs[0], pickle.dumps(PackedWrites(rank)), *blobs[2:]])
+    assert same is changed and metadata_pickle._STORAGE[0].base > base

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -131,3 +132,23 @@ def test_names_travel_as_one_blob_split_once_per_distinct_blob_and_as_a_list_whe
     assert written.names == list(dict.fromkeys(expected))
     assert [written.files[f] for f in written.file] == [f"__{r}_0.distcp" for r in range(4) for _ in range(
         len(same) if r != 2 else 2)]
+
+
+def test_results_equal_to_the_last_saves_give_its_columns_back_and_a_changed_rank_is_read_anew(tmp_path):
+    """A later save of the same plan whose every rank wrote the same: the same ``Written`` (what
+    is laid out from it is reused by identity). One rank whose object entry grew, shifting its
+    offsets: the columns are read anew and hold the new values."""
+    results = saved_results(tmp_path)
+    blob = pickle.dumps(results[0])
+    first = written_of([pickle.loads(blob) for _ in range(3)])
+    assert written_of([pickle.loads(blob) for _ in range(3)]) is first  # new objects, equal bytes
+    grown = [pickle.loads(blob) for _ in range(3)]
+    offsets = bytearray(grown[1].arrays[5])  # rank 1's ``offset`` column, every entry 8 bytes on
+    shifted = (np.frombuffer(bytes(offsets), np.int64) + 8).tobytes()
+    grown[1].arrays = (*grown[1].arrays[:5], shifted, *grown[1].arrays[6:])
+    again = written_of(grown)
+    assert again is not first
+    n = len(first) // 3
+    assert (again.offset[n:2 * n] == first.offset[n:2 * n] + 8).all()
+    assert (again.offset[:n] == first.offset[:n]).all() and (again.offset[2 * n:] == first.offset[2 * n:]).all()
+    assert written_of([pickle.loads(blob) for _ in range(3)]) is not again  # equal to the last call's only

@@ -138,10 +138,28 @@ class Packed:
     transforms: list[Any] | None
 
 
+_LAST: list[tuple[list[Packed], Written]] = []
+"""The last save's gathered results and their columns: a save whose every rank sent the same
+(a later save of the same plan, every item the same size) gets the same ``Written`` object
+back, and what is laid out from it (``.metadata``'s records, the index) is reused by identity."""
+
+
 def written_of(results: list[Any]) -> Written:
     """The columns of every rank's results: a gathered ``Packed``, or a ``WriteResult`` list (a
     writer that does not pack, a rank whose results would not pack). ValueError as
-    ``columns_of``."""
+    ``columns_of``. Results equal to the last call's (every rank's, compared byte for byte)
+    give the same object back: nothing is read again."""
+    last = _LAST[0] if _LAST else None
+    if last is not None and last[0] == results:
+        return last[1]
+    _LAST.clear()  # its memory free before the new columns are made
+    written = _written_of(results)
+    if results and all(type(r) is Packed for r in results):
+        _LAST[:] = [(list(results), written)]
+    return written
+
+
+def _written_of(results: list[Any]) -> Written:
     parts = []
     split: dict[bytes, list[str]] = {}  # each distinct blob of names split once, into one list
     for rank_results in results:
@@ -195,7 +213,7 @@ def as_write_results(rank_results: Any) -> list[Any]:
         return list(rank_results)
     from torch.distributed.checkpoint.storage import WriteResult
 
-    entries = StorageEntries(written_of([rank_results])).as_dict()
+    entries = StorageEntries(_written_of([rank_results])).as_dict()
     return [WriteResult(index=k, size_in_bytes=v.length, storage_data=v) for k, v in entries.items()]
 
 
