@@ -403,8 +403,8 @@ def test_the_columns_of_metadata_by_hand_read_back_as_its_entries():
 def test_columns_the_records_do_not_reproduce_are_pickled_as_their_entries():
     """By the standard pickler, in the head; the chunk lists are still laid out."""
     metadata = by_hand(files=2, chunks=2)
-    written = gathered(metadata)
-    written.transforms = [("stream.zstd/1",)] * len(written)  # a tuple: pickled as one, not as a list
+    written = gathered(metadata)  # the columns written_of keeps: changed in a copy
+    written = dataclasses.replace(written, transforms=[("stream.zstd/1",)] * len(written))  # a tuple, not a list
     entries = StorageEntries(written)
     ours = dumps_metadata(with_storage(metadata, entries), written)
     assert_read_alike(ours, pickle.dumps(with_storage(metadata, entries.as_dict())))
