@@ -75,7 +75,7 @@ def _number(value: float) -> str:
 
 # -- measured: update these after a new run of benchmarks/scale.py ------------------------------
 
-MEASURED_BY = ("python benchmarks/scale.py --ranks 640,5120 --json (2-core VM, torch 2.13.0+cpu), "
+MEASURED_BY = ("python benchmarks/scale.py --ranks 5120 --json (2-core VM, torch 2.13.0+cpu), "
                "at 5,120 ranks")
 
 
@@ -118,6 +118,15 @@ class Measured:
     the plan alone decides is kept from it; index_write_s)."""
     index_write_first_s: float
     """The same at a process's first save (index_write_first_s)."""
+    finish_s: float
+    """Rank 0's end of a save of the same plan as the save before, every rank's results the same
+    as then: the results gathered and read into columns, ``.metadata`` and the index written;
+    every rank waits for it (finish_s)."""
+    finish_first_s: float
+    """The same at a process's first save (finish_first_s)."""
+    finish_changed_s: float
+    """The same at a later save where one rank's entry changed size, so nothing of the last
+    save's layout is kept (finish_changed_s)."""
     index_rank0_s: float
     """Rank 0 at restore: the index read, checked and each of the 5,120 ranks' entries selected
     (index_rank0_s), and the requests unpickled and answers pickled (index_rank0_comm_s)."""
@@ -138,9 +147,9 @@ class Measured:
     """Bytes each rank receives at restore: the collectives and its index answer
     (restore_bytes_received_per_rank)."""
     metadata_restricted_s: float
-    """Before the index: our allow-list unpickler on ``.metadata`` (metadata_unpickle_s,
-    extrapolated from the largest size measured in the same run at the same seconds per byte):
-    rank 0 at the restore of a checkpoint written before the index."""
+    """Before the index: our allow-list unpickler on ``.metadata`` (metadata_unpickle_s of a run
+    at 640 ranks, ``--ranks 640 --unpickle-cap-mb 80``, extrapolated to 5,120's size at its
+    seconds per byte): rank 0 at the restore of a checkpoint written before the index."""
     metadata_pickle_s: float
     """Before the index: ``pickle.dumps`` of the loaded ``.metadata`` (metadata_pickle_s): rank 0,
     to send it."""
@@ -149,13 +158,14 @@ class Measured:
     every other rank, of the object rank 0 sends."""
 
 
-MEASURED = Measured(save_control_plane_s=0.758, save_gather_s=0.311, save_received_bytes=290,
-                    manifest_parse_s=0.052, discovery_s=0.111, restore_control_plane_s=1.27,
-                    metadata_mib=553.2, results_gather_s=0.077, metadata_write_s=5.99, metadata_write_first_s=12.8,
-                    index_mib=207.3, index_write_s=0.82, index_write_first_s=2.44, index_rank0_s=2.56,
-                    index_other_rank_s=0.039, dcp_plan_s=87.0, dcp_plan_cached_s=0.0004, load_plan_s=0.024,
-                    load_plan_full_metadata_s=0.235, restore_received_kib=1372.7, metadata_restricted_s=288.0,
-                    metadata_pickle_s=66.3, metadata_unpickle_s=108.8)
+MEASURED = Measured(save_control_plane_s=0.706, save_gather_s=0.294, save_received_bytes=290,
+                    manifest_parse_s=0.051, discovery_s=0.104, restore_control_plane_s=1.58,
+                    metadata_mib=553.3, results_gather_s=0.937, metadata_write_s=1.99, metadata_write_first_s=10.8,
+                    index_mib=207.3, index_write_s=0.177, index_write_first_s=2.33, finish_s=3.40,
+                    finish_first_s=14.7, finish_changed_s=5.39, index_rank0_s=2.67, index_other_rank_s=0.016,
+                    dcp_plan_s=79.3, dcp_plan_cached_s=0.0004, load_plan_s=0.013, load_plan_full_metadata_s=0.240,
+                    restore_received_kib=1372.8, metadata_restricted_s=226.3, metadata_pickle_s=57.8,
+                    metadata_unpickle_s=97.8)
 
 
 # -- assumed: the inputs -------------------------------------------------------------------------
@@ -327,16 +337,17 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     staging_s = (model_shard + optimizer_shard) / (i.d2h_gbs * GB)
     f["staging"] = Figure(staging_s, "s", (
         f"computed: {f['staged_per_rank'].shown()} / {_number(i.d2h_gbs)} GB/s, every GPU at once"))
-    finish_s = m.results_gather_s + m.metadata_write_s + m.index_write_s  # rank 0; every rank waits
+    finish_s = m.finish_s  # rank 0; every rank waits
     sync_s = m.save_control_plane_s + m.dcp_plan_cached_s + write_s + finish_s
     f["stall_sync"] = Figure(sync_s, "s", (
         f"computed: control plane {_number(m.save_control_plane_s)} + DCP plan, cached "
-        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0 gathering the write "
-        f"results {_number(m.results_gather_s)}, writing .metadata {_number(m.metadata_write_s)} and "
-        f"the index {_number(m.index_write_s)} s (DCP's end-of-save broadcast carries a summary, not "
-        f"the Metadata); a process's first save plans uncached and makes the plan's tables: + "
-        f"{_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + "
-        f"{_number(m.metadata_write_first_s + m.index_write_first_s - m.metadata_write_s - m.index_write_s)} s"))
+        f"{_number(m.dcp_plan_cached_s)} + bulk write {_number(write_s)} + rank 0's end of the save "
+        f"{_number(finish_s)} s (finish_s: the write results gathered and read, .metadata "
+        f"{_number(m.metadata_write_s)} and the index {_number(m.index_write_s)} s written; DCP's "
+        f"end-of-save broadcast carries a summary, not the Metadata); a save where one rank's entry "
+        f"changed size lays them out anew: + {_number(m.finish_changed_s - finish_s)} s "
+        f"(finish_changed_s); a process's first save plans uncached and makes the plan's tables: + "
+        f"{_number(m.dcp_plan_s - m.dcp_plan_cached_s)} + {_number(m.finish_first_s - finish_s)} s"))
     async_s = m.save_gather_s + staging_s
     f["stall_async"] = Figure(async_s, "s", (
         f"computed: gather and assembly {_number(m.save_gather_s)} + staging copy {_number(staging_s)} s "
@@ -363,8 +374,8 @@ def figures(inputs: Inputs = DEFAULT_INPUTS, measured: Measured = MEASURED) -> d
     legacy_s = m.metadata_restricted_s + m.metadata_pickle_s + m.metadata_unpickle_s
     f["metadata_legacy"] = Figure(legacy_s, "s", (
         f"{by} metadata_unpickle_s + metadata_pickle_s + metadata_plain_unpickle_s (vetted by rank 0 "
-        f"with our allow-list unpickler {_number(m.metadata_restricted_s)}, extrapolated from the "
-        f"largest size measured in the same run; pickled to send {_number(m.metadata_pickle_s)}; "
+        f"with our allow-list unpickler {_number(m.metadata_restricted_s)}, extrapolated from its "
+        f"seconds per byte at 640 ranks; pickled to send {_number(m.metadata_pickle_s)}; "
         f"unpickled by every other rank {_number(m.metadata_unpickle_s)} s); not in the restart below"))
     f["detect"] = Figure(60.0, "s", (
         "assumed: a crashed process ends the step at once (srun --kill-on-bad-exit=1), a silent "

@@ -16,7 +16,8 @@ REQUIRED = ("bytes_per_rank_per_save", "rank0_save_s", "manifest_parse_s", "meta
             "index_rank0_s", "index_read_s", "index_parse_s", "index_select_s", "index_rank0_comm_s",
             "index_other_rank_s", "index_bytes_per_rank", "index_requests_bytes_rank0", "load_plan_s",
             "load_plan_full_metadata_s", "restore_bytes_received_per_rank", "dcp_final_broadcast_bytes",
-            "dcp_bytes_per_rank_per_save", "dcp_bytes_per_rank_per_save_cached", "rank0_restore_s")
+            "dcp_bytes_per_rank_per_save", "dcp_bytes_per_rank_per_save_cached", "rank0_restore_s",
+            "finish_s", "finish_first_s", "finish_changed_s")
 MAY_BE_ZERO = ("bytes_per_rank_per_save", "dcp_plan_cached_s", "index_read_s", "index_rank0_comm_s")
 
 

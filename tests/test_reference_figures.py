@@ -45,7 +45,8 @@ def test_bulk_times_halve_when_the_bandwidth_doubles():
 
 def test_stalls_and_restarts_are_the_sums_of_their_parts():
     f, m = figures(), MEASURED
-    finish = m.results_gather_s + m.metadata_write_s + m.index_write_s  # rank 0's end of a save, all wait
+    finish = m.finish_s  # rank 0's end of a save, measured whole; every rank waits for it
+    assert finish >= m.results_gather_s + m.metadata_write_s + m.index_write_s
     assert f["stall_sync"].value == pytest.approx(
         m.save_control_plane_s + m.dcp_plan_cached_s + f["bulk_write"].value + finish)
     assert f["stall_async"].value == pytest.approx(m.save_gather_s + f["staging"].value)
@@ -86,11 +87,12 @@ def test_rank0_answers_the_index_within_issue_28s_bound():
     assert MEASURED.index_rank0_s <= 5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: the synchronous stall's control part at 5,120 ranks "
-                   "measured 8.5 s in the run behind MEASURED (.metadata 6.0 s of it): over the 5 s bound")
 def test_the_synchronous_stalls_control_part_is_within_issue_28s_bound():
     f = figures()
     assert f["stall_sync"].value - f["bulk_write"].value <= 5
+    # A save where an entry changed size lays .metadata and the index out anew: slower, shown.
+    assert MEASURED.finish_changed_s > MEASURED.finish_s
+    assert f"+ {MEASURED.finish_changed_s - MEASURED.finish_s:.3g} s (finish_changed_s)" in f["stall_sync"].source
 
 
 def test_every_figure_says_where_it_came_from():
