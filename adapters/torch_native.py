@@ -45,6 +45,7 @@ from .torch.objects import (
     unpack_optimizers,
     unpack_schedulers,
 )
+from .torch.registered import Registered, unregistered_state
 from .torch.schedules import lr_value
 from .torch.settings import SettingsMixin
 from .torch.shards import DcpShardsMixin, IndexedLoadMixin
@@ -131,6 +132,8 @@ class NativeTorchAdapter(DcpShardsMixin, IndexedLoadMixin, StateMixin, SettingsM
         self._applied: list[list[float] | None] = [None] * len(self.optimizers)
         self._internal_step = False
         self._staged_state: Any = None  # the last staged copy, reused by the next (stage_shards)
+        self.registered = Registered()
+        """The objects registered by name (``register_state``; ``resume.adapters.torch.registered``)."""
         for i, opt in enumerate(self.optimizers):
             opt.register_step_pre_hook(self._make_lr_recorder(i))
             opt.register_step_post_hook(self._make_step_counter(i))
@@ -155,6 +158,20 @@ class NativeTorchAdapter(DcpShardsMixin, IndexedLoadMixin, StateMixin, SettingsM
             if me is not None and not me._internal_step:
                 me._applied[index] = [lr_value(g["lr"]) for g in optimizer.param_groups]
         return hook
+
+    # -- registered state (resume.adapter.RankState) ------------------------------------------
+
+    def register_state(self, name: str, obj: Any) -> None:
+        self.registered.add(name, obj)
+
+    def registered_digests(self) -> dict[str, str]:
+        return self.registered.digests()
+
+    def registered_shown(self) -> dict[str, dict]:
+        return self.registered.shown()
+
+    def unregistered_state(self) -> list[str]:
+        return unregistered_state(self.registered, self.model_parts)
 
     # -- data (resume.adapter.DataPosition) ---------------------------------------------------
 

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .comm import Comm
+from .errors import UsageError
 from .manifest import Manifest
 from .storage import Storage
 
@@ -166,6 +167,28 @@ class RankState(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    def check_state(self, state: dict, *, source: str) -> None:
+        """``state_dict()`` as read back from a run's file (``source``), checked in shape before
+        anything loads it: ``CorruptCheckpointError`` naming the field. Nothing by default."""
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (``state_dict()`` / ``load_state_dict()``) under ``name``."""
+        raise UsageError(f"register({name!r}): expected an adapter that saves registered state "
+                         f"(torch-native), actual {getattr(self, 'name', type(self).__name__)}")
+
+    def registered_digests(self) -> dict[str, str]:
+        """Each registered object's state in a digest (compared after a restore)."""
+        return {}
+
+    def registered_shown(self) -> dict[str, dict]:
+        """Each registered object's kind and a few values (``resume inspect``, messages)."""
+        return {}
+
+    def unregistered_state(self) -> list[str]:
+        """Stateful objects in use that nothing registered, each with the line to add (the first
+        save warns once)."""
+        return []
 
     def topology(self) -> dict:
         return {"world_size": self.comm.world_size}

@@ -20,7 +20,13 @@ class CoordinatorConfig:
     """How a ``Coordinator`` saves, restores and checks. ``Coordinator(url, adapter, **fields)``."""
 
     global_batch: int
-    """Samples per iteration over all ranks."""
+    """Samples per update over all ranks: micro-batch × ``accumulation`` × data-parallel size."""
+    accumulation: int = 1
+    """Items of ``coord.batches()`` each update takes (micro-batches whose gradients it
+    accumulates; 1: one item per update, which the loop may split itself). A save records the
+    next update's items, all of them; a save after an update that took another number is
+    refused. Not compared at a restore: a restart on fewer ranks takes more micro-batches for
+    the same global batch (a changed global batch is refused, naming the accumulation)."""
     every: int = 200
     """Save every N iterations (0: only on request or signal)."""
     total_iterations: int | None = None
@@ -84,6 +90,8 @@ class CoordinatorConfig:
             raise UsageError(f"hang: expected a resume.watchdog.HangBounds or None, actual {short_type(self.hang)}")
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise UsageError(f"global_batch: expected a positive integer, actual {self.global_batch!r}")
+        if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
+            raise UsageError(f"accumulation: expected a positive integer, actual {self.accumulation!r}")
         if self.lr_lookahead < 2:
             raise UsageError(f"lr_lookahead: expected >= 2 updates, actual {self.lr_lookahead}")
         if self.lease_ttl_s is not None and self.lease_ttl_s <= 0:

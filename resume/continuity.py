@@ -19,7 +19,7 @@ from .errors import ContinuityError, ManifestError
 from .layout import global_moments
 from .text import short
 
-__all__ = ["Expectation", "compare", "compare_config", "merge_batch_descriptions"]
+__all__ = ["Expectation", "compare", "compare_config", "merge_batch_descriptions", "state_changes"]
 
 
 @dataclass(kw_only=True)
@@ -41,6 +41,11 @@ class Expectation:
     """A label per param group, in the order of each ``lr_ahead`` row (empty: positional)."""
     structure: list[dict] = field(default_factory=list)
     """Per optimizer: class, param groups, their parameters and settings (resume.changes)."""
+    state: list[dict] = field(default_factory=list)
+    """Per rank, each registered object's state digest (``Coordinator.register``); one row when
+    every rank had the same."""
+    state_shown: dict = field(default_factory=dict)
+    """Rank 0's registered objects: kind and a few values (``resume inspect``, messages)."""
 
     before_replicas: dict | None = field(default=None, repr=False, compare=False)
     """Not recorded: the next batch as a manifest written before replicas were merged records it
@@ -59,7 +64,9 @@ class Expectation:
         first = parts[0]
         batches = [p["batch"] for p in parts]
         merged = merge_batch_descriptions(batches)
-        return cls(next_batch=merged,
+        state = [p.get("state") or {} for p in parts]
+        return cls(next_batch=merged, state=state[:1] if all(r == state[0] for r in state) else state,
+                   state_shown=first.get("state_shown") or {},
                    lr_ahead=first["lr_ahead"], lr_groups=first["lr_groups"], structure=first["structure"],
                    schedule=first["schedule"], optimizer_steps=first["optimizer_steps"],
                    optimizer=[p["optimizer"] for p in parts], rng=[p["rng"] for p in parts],
@@ -106,6 +113,14 @@ def _check_shape(data: dict, source: str) -> None:
     for name in ("schedule", "optimizer", "rng", "structure"):
         if not isinstance(data.get(name, []), list):
             raise bad(name, "a list")
+    state = data.get("state", [])
+    if not (isinstance(state, list) and all(isinstance(r, dict) and all(isinstance(v, str) for v in r.values())
+                                            for r in state)):
+        raise bad("state", "per rank, an object of digests")
+    shown = data.get("state_shown", {})
+    if not (isinstance(shown, dict) and all(isinstance(v, dict) and isinstance(v.get("values", {}), dict)
+                                            for v in shown.values())):
+        raise bad("state_shown", "an object of registered objects")
     labels = data.get("lr_groups", [])
     if not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)
             and (not labels or all(len(r) == len(labels) for r in lr))):
@@ -190,6 +205,9 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
         _compare_global_moments(expected, actual, stages)
     else:
         _compare_moments(expected, actual, resized=resized)
+    changed = state_changes(expected, actual, resized=resized)
+    if changed:
+        raise changed[0][1]
     if expected.lr_ahead != actual.lr_ahead:
         k = _first_difference(expected.lr_ahead, actual.lr_ahead)
         e = expected.lr_ahead[k] if k is not None and k < len(expected.lr_ahead) else None
@@ -203,6 +221,43 @@ def compare(expected: Expectation, actual: Expectation, *, resized: bool = False
     _compare_batch(expected.next_batch, actual.next_batch, actual.before_replicas)
 
 
+def state_changes(expected: Expectation, actual: Expectation, *,
+                  resized: bool = False) -> list[tuple[str, ContinuityError]]:
+    """The registered objects whose state after the load is not the state saved: (name, its
+    error; item ``state.NAME.FIELD`` where one of the values shown differs, else ``state.NAME``).
+    Another data-parallel size: compared only where every rank saved the same state."""
+    if not expected.state:
+        return []
+    saved, live = expected.state, actual.state
+    if len(saved) == 1 and len(live) > 1:
+        saved = saved * len(live)
+    elif len(live) == 1 and len(saved) > 1:
+        live = live * len(saved)
+    if resized:
+        if any(row != expected.state[0] for row in expected.state):
+            return []  # per-rank state (a sharded EMA) on another size: not comparable rank by rank
+        saved = [expected.state[0]] * len(live)
+    out: list[tuple[str, ContinuityError]] = []
+    for name in dict.fromkeys(n for row in saved for n in row):
+        rank = next((r for r, (e, a) in enumerate(zip(saved, live)) if e.get(name) != a.get(name)), None)
+        if rank is not None:
+            out.append((name, _state_error(name, rank, saved[rank].get(name), live[rank].get(name), expected,
+                                           actual)))
+    return out
+
+
+def _state_error(name: str, rank: int, saved: str | None, live: str | None, expected: Expectation,
+                 actual: Expectation) -> ContinuityError:
+    hint = (f"the registered object's state after the load is not the state saved: its load_state_dict "
+            f"does not restore it, or the program changed it; accept_changes=['state.{name}'] keeps it")
+    e_values = expected.state_shown.get(name, {}).get("values", {})
+    a_values = actual.state_shown.get(name, {}).get("values", {})
+    for key in dict.fromkeys([*e_values, *a_values]):
+        if e_values.get(key) != a_values.get(key):
+            return ContinuityError(f"state.{name}.{key}", e_values.get(key), a_values.get(key), hint)
+    return ContinuityError(f"state.{name} (rank {rank})", f"digest {saved}", f"digest {live}", hint)
+
+
 def matched(expected: Expectation, *, resized: bool = False, relaid: bool = False) -> str:
     """What ``compare`` found equal, in words, for the line a restore prints (``relaid``: after a
     layout change, the moments as totals over the global tensors)."""
@@ -211,6 +266,9 @@ def matched(expected: Expectation, *, resized: bool = False, relaid: bool = Fals
         items.append(f"moments of {len(expected.optimizer[0])} optimizer(s)"
                      + (" (as totals over the global tensors: another layout)" if relaid else
                         " (as totals: another data-parallel size)" if resized else ""))
+    if expected.state_shown or (expected.state and expected.state[0]):
+        names = sorted(expected.state_shown or expected.state[0])
+        items.append(f"registered state {', '.join(names)}")
     items.append(f"LR of the next {len(expected.lr_ahead)} updates")
     items.append("RNG not compared (another data-parallel size)" if resized else
                  f"RNG of {len(expected.rng)} rank(s)")

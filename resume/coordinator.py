@@ -91,9 +91,12 @@ class Coordinator:
         self._stage_ahead = self.async_save  # prepare_staging() at the first applied update
 
         self._tolerance = self.settings.failure_tolerance()
-        self._next = NextIteration(adapter, self.rng, lr_lookahead=self.settings.lr_lookahead)
+        self._next = NextIteration(adapter, self.rng, lr_lookahead=self.settings.lr_lookahead,
+                                   accumulation=self.settings.accumulation)
         self._first_after_restore: Expectation | None = None
         self._peeked: tuple[Manifest | None] | None = None
+        self._restore_done = False
+        self._looked_for_state = False  # the first save warns of stateful objects nothing registered
         self._in_flight: BackgroundSave | None = None
         # Background collectives run on their own group, never interleaved with training's.
         self._save_coll = Collective(self.comm.fork()) if self.async_save else None
@@ -114,7 +117,11 @@ class Coordinator:
         # One writer per run: rank 0 holds the lease (a second job is refused here, on every rank).
         self._lease: Lease | None = None
         if self.settings.lease_ttl_s is not None:
-            self.coll.on_rank0(self._take_lease)
+            ttl_s = self.settings.lease_ttl_s
+
+            def take_lease() -> None:
+                self._lease = Lease.take(self.run.storage, ttl_s=ttl_s, job_id=self.adapter.job_id)
+            self.coll.on_rank0(take_lease)
         self._trigger = SaveTrigger(
             self.comm, ControlArea(self.run, poll_s=self.settings.control_poll_s, clock=self.clock),
             self.settings.save_policy(), handle_signals=self.settings.handle_signals)
@@ -139,6 +146,16 @@ class Coordinator:
     def register_rng(self, name: str, generator: Any) -> None:
         """Save and restore a generator of the user's along with the global ones."""
         self.rng.register(name, generator)
+
+    def register(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj``, any object with ``state_dict()`` / ``load_state_dict()`` (a
+        loss scaler, an EMA of the weights, a counter of the program's own), under ``name``: its
+        tensors with the shards (sharded where they are DTensors), the rest as JSON; its state is
+        compared after a restore like the moments. Before ``restore()``, on every rank."""
+        if self.restored_from is not None or self._restore_done:
+            raise UsageError(f"register({name!r}): expected before coord.restore() (it loads the state), "
+                             "actual after: register every object first")
+        self.adapter.register_state(name, obj)
 
     def request_save(self, *, stop: bool = False) -> None:
         """Save at the next iteration boundary (and stop afterwards when ``stop``)."""
@@ -176,6 +193,7 @@ class Coordinator:
             except BaseException:
                 self._restorer.discard_prepared()
                 raise
+        self._restore_done = True
         return self.state
 
     def batches(self) -> Iterator[Any]:
@@ -210,6 +228,7 @@ class Coordinator:
 
         ``loss``, ``grad_norm`` (before clipping) and ``clipped`` go into the update journal
         (``resume.journal``) as given: floats (a tensor is read with ``float()``, a device sync)."""
+        self._next.updated()
         n = self.global_batch if samples is None else samples
         first, _, passed_over = self._skips.take(self.state.samples_read, n)
         self.state.advance(applied=applied, samples=n, tokens=tokens, tokens_in_loss=tokens_in_loss,
@@ -245,6 +264,7 @@ class Coordinator:
         if self.last_committed_step == step:
             return step
         self._next.refuse_untracked_batches(self.state.iteration)
+        self._next.check_accumulation()
         faults.set_context(rank=self.rank, step=step)
         commit = StepCommit(self.run, step, lease=self._lease)
         try:
@@ -319,6 +339,10 @@ class Coordinator:
 
     def _save_step(self, commit: StepCommit, *, background: bool) -> int:
         started = self.clock()
+        if not self._looked_for_state and self.rank == 0:
+            self._looked_for_state = True
+            for line in self.adapter.unregistered_state():
+                log.warning("resume: %s", line)
         record = {"user": as_json(self.user, "user"), "changes": list(self.changes), "rewinds": list(self.rewinds)}
         journal_lines = self.journal.snapshot(commit.step) if self.journal is not None else None
         if self.coll.on_rank0(commit.prepare):
@@ -402,6 +426,8 @@ class Coordinator:
         then); built on rank 0 only, the one that has the ``expectation``. The journal's records up
         to ``step`` are sealed here, just before the manifest that names their segment."""
         layout = record.pop("layout", None)  # what the topology records of it (rank 0)
+        # The loop's accumulation where it is not 1: a restore on a changed global batch names it.
+        accumulation = {"accumulation": self.settings.accumulation} if self.settings.accumulation != 1 else {}
 
         def build(reports: list[dict]) -> Manifest:
             assert expectation is not None, "the manifest is built on rank 0"
@@ -412,7 +438,7 @@ class Coordinator:
             timing = {"save_s": round(self.clock() - started, 3),
                       **({"stall_s": round(stall, 3)} if stall is not None else {})}
             return Manifest(step=step, train_state=state, files={}, expectation=expectation.to_dict(),
-                            topology={**self.adapter.topology(), **(layout or {})},
+                            topology={**self.adapter.topology(), **(layout or {}), **accumulation},
                             config=self.settings.recorded_config(), timing=timing, adapter=self.adapter.name,
                             complete=self._reached_end(state.iteration), **record)
         return build
@@ -420,9 +446,6 @@ class Coordinator:
     def _abandon(self, commit: StepCommit) -> None:
         if self.rank == 0:
             commit.abandon()
-
-    def _take_lease(self) -> None:
-        self._lease = Lease.take(self.run.storage, ttl_s=self.settings.lease_ttl_s, job_id=self.adapter.job_id)
 
     # -- restore --------------------------------------------------------------------------
 

@@ -170,6 +170,10 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or raise ``RunBusyError`` naming the live holder."""
         now = self.clock()
+        if self.storage.isdir(LEASE_NAME):  # no lease, and none can be written in its place
+            raise RunBusyError(f"{self.url}: expected the run's lease file or none, actual a directory: no "
+                               f"job can hold this run until it is removed (job {self.job_id} refused; see "
+                               "runbooks/two-jobs.md)")
         holder = read_holder(self.storage)
         if holder is not None and holder.token != self.token:
             stale = holder.stale_because(now, host=self.host)
@@ -177,8 +181,14 @@ class Lease:
                 log.info("resume: %s: taking over the lease of this job's earlier copy (%s)",
                          self.url, holder.describe(now))
             elif stale:
-                log.warning("resume: %s: taking over a stale lease: %s (%s)", self.url,
-                            holder.describe(now), stale)
+                # A holder that died (its heartbeat stopped, its process is gone) is the normal
+                # case after a crash: one line at INFO. A lease no live holder could have written
+                # (a clock far ahead, a ttl beyond the longest, a pid no process has) needs a
+                # look: WARNING.
+                odd = (holder.ttl_s > MAX_TTL_S or holder.heartbeat_at - now > holder.ttl_s
+                       or not 0 < holder.pid <= PID_MAX)
+                log.log(logging.WARNING if odd else logging.INFO, "resume: %s: taking over a stale lease: %s (%s)",
+                        self.url, holder.describe(now), stale)
             else:
                 raise RunBusyError(f"{self.url}: expected no other job writing this run, actual "
                                    f"{holder.describe(now)} (job {self.job_id} refused; see "

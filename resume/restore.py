@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .changes import AcceptChanges, Change, check_structure, refuse, schedule_ch
 from .collective import Collective, concat
 from .commit import rank_state_name
 from .config import CoordinatorConfig
-from .continuity import Expectation, compare, compare_config
+from .continuity import Expectation, compare, compare_config, state_changes
 from .errors import (
     ContinuityError,
     CorruptCheckpointError,
@@ -190,7 +191,11 @@ class Restorer:
         source = self.run.storage.url(join(step_dir, "manifest.json"))
         expected = Expectation.from_dict(manifest.expectation, source=source)
         # Config first: a changed global batch or seed is named before anything is loaded.
-        compare_config(manifest.config, self.settings.recorded_config())
+        try:
+            compare_config(manifest.config, self.settings.recorded_config())
+        except ContinuityError as e:
+            raise e if e.item != "config.global_batch" else ContinuityError(
+                e.item, e.expected, e.actual, self._batch_hint(manifest)) from None
         if self.layout_checked != manifest.step:  # chosen by a peek
             self._check_layout(manifest)
         # A rewind to this checkpoint (resume rewind): its accepted names and skips apply now.
@@ -219,19 +224,30 @@ class Restorer:
                 log.warning("resume: LR ahead after the accepted changes: %s (the checkpoint had %s)",
                             actual.lr_ahead, expected.lr_ahead)
             expected.lr_ahead, expected.lr_groups = actual.lr_ahead, actual.lr_groups
+        state_accepted = self._compare(manifest, expected, actual, rewind)
+        relaid = self.changed_layout if self.layout_checked == manifest.step else None
+        return Restored(manifest, state, expected,
+                        list(manifest.changes) + [c.record(manifest.step) for c in accepted] + state_accepted
+                        + ([relaid["record"]] if relaid is not None else []),
+                        rewinds, skips, relaid["text"] if relaid is not None else None)
+
+    def _compare(self, manifest: Manifest, expected: Expectation, actual: Expectation,
+                 rewind: dict | None) -> list[dict]:
+        """Rank 0 alone holds every rank's part (``expectation_now``): it compares, and its
+        verdict (a ContinuityError with its fields) is every rank's. The registered objects'
+        changes it accepted (rank 0's list: the manifests are its)."""
         saved_world = int(manifest.topology.get("world_size", 1))
-        # Rank 0 alone holds every rank's part (``expectation_now``): it compares, and its
-        # verdict (a ContinuityError with its fields) is every rank's.
+        state_accepted: list[dict] = []
+
         def check() -> None:
             if rewind is not None:
                 expect_declared_break(expected, actual, rewind)
-            compare(expected, actual, resized=saved_world != self.coll.world_size, stages=self._stage_maps(manifest))
+            resized = saved_world != self.coll.world_size
+            state_accepted.extend(self._accept_state_changes(expected, actual, manifest.step, resized=resized,
+                                                             extra=rewind.get("accept", []) if rewind else ()))
+            compare(expected, actual, resized=resized, stages=self._stage_maps(manifest))
         self.coll.on_rank0(check)
-        relaid = self.changed_layout if self.layout_checked == manifest.step else None
-        return Restored(manifest, state, expected,
-                        list(manifest.changes) + [c.record(manifest.step) for c in accepted]
-                        + ([relaid["record"]] if relaid is not None else []),
-                        rewinds, skips, relaid["text"] if relaid is not None else None)
+        return state_accepted
 
     def _stage_maps(self, manifest: Manifest) -> tuple[list[int], list[int]] | None:
         """Rank 0, after a layout change or on another world size: each rank's pipeline stage,
@@ -288,6 +304,49 @@ class Restorer:
         expected.schedule = declared_schedule
         return changes
 
+    def _batch_hint(self, manifest: Manifest) -> str:
+        """What a changed global batch is made of, saved and now: micro-batch × accumulation ×
+        data-parallel size (now's data-parallel size as the saved one scaled by the world size:
+        the model-parallel degrees kept)."""
+        def number(value: Any, default: int) -> int:
+            return value if type(value) is int and value > 0 else default
+        topology = manifest.topology
+        saved_world = number(topology.get("world_size"), 1)
+        saved_dp = number(topology.get("data_parallel"), saved_world)
+        now_dp = max(1, saved_dp * self.coll.world_size // saved_world)
+        saved_acc, now_acc = number(topology.get("accumulation"), 1), self.settings.accumulation
+        saved_batch, now_batch = manifest.config.get("global_batch"), self.settings.global_batch
+
+        def micro(batch: Any, acc: int, dp: int) -> str:
+            whole = type(batch) is int and batch % (acc * dp) == 0
+            return str(batch // (acc * dp)) if whole else f"{batch}/{acc * dp}"
+        hint = (f"global batch = micro-batch x accumulation x data-parallel size: saved "
+                f"{micro(saved_batch, saved_acc, saved_dp)} x {saved_acc} x {saved_dp} = {saved_batch}, now "
+                f"{micro(now_batch, now_acc, now_dp)} x {now_acc} x {now_dp} = {now_batch}")
+        if saved_acc != now_acc:
+            hint += f"; the accumulation changed ({saved_acc} -> {now_acc})"
+        if saved_dp != now_dp and (saved_acc * saved_dp) % now_dp == 0:
+            hint += (f"; on {now_dp} data-parallel ranks, accumulation={saved_acc * saved_dp // now_dp} keeps "
+                     f"the global batch")
+        return hint
+
+    def _accept_state_changes(self, expected: Expectation, actual: Expectation, step: int, *, resized: bool,
+                              extra: Any = ()) -> list[dict]:
+        """Rank 0: the registered objects whose state after the load differs from the state saved
+        (``continuity.state_changes``): refused unless accepted (``state.NAME``); accepted, the
+        live state is what the comparison expects, and the change is recorded."""
+        accept = AcceptChanges(self.accept.names + tuple(extra))
+        records = []
+        for name, error in state_changes(expected, actual, resized=resized):
+            if not accept.accepts(f"state.{name}"):
+                raise error
+            log.warning("resume: accepted change state.%s: %s -> %s (recorded in the next manifest)", name,
+                        error.expected, error.actual)
+            records.append({"step": step, "item": f"state.{name}", "from": error.expected, "to": error.actual})
+        if records:
+            expected.state, expected.state_shown = actual.state, actual.state_shown
+        return records
+
     def _read_rank_state(self, manifest: Manifest, saved_world: int) -> dict:
         """This rank's state file, read no further than the manifest's size and checked in shape
         and bounds (``check_rank_state``) before anything uses it; read once per restore."""
@@ -298,6 +357,8 @@ class Restorer:
             raise ManifestError(f"{self.run.storage.url(join(self.run.dirname(manifest.step), 'manifest.json'))}: "
                                 f"files: expected an entry for {own}, actual missing")
         rank_state = read_rank_state(self.run, manifest, own)
+        source = self.run.storage.url(join(self.run.dirname(manifest.step), own))
+        self.adapter.check_state(rank_state["adapter"], source=source)
         self._rank_state = (manifest.step, rank_state)
         return rank_state
 
@@ -367,7 +428,9 @@ def check_rank_state(rank_state: Any, *, source: str) -> None:
         if depth > _RANK_STATE_DEPTH:
             raise CorruptCheckpointError(f"{source}: {field}: expected at most {_RANK_STATE_DEPTH} "
                                          "levels of nesting, actual more")
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "__tensor__" in value:
+            _check_tensor(value, field, source)
+        elif isinstance(value, dict):
             # JSON keys are strings: named as they are, or cut short.
             pending.extend((v, f"{field}.{k if len(k) <= 40 else short(k, 40)}".lstrip("."), depth + 1)
                            for k, v in value.items())
@@ -380,6 +443,23 @@ def check_rank_state(rank_state: Any, *, source: str) -> None:
     for name in ("adapter",):
         if not isinstance(rank_state[name], dict):
             raise CorruptCheckpointError(f"{source}: {name}: expected an object, actual {short(rank_state[name])}")
+
+
+def _check_tensor(value: dict, field: str, source: str) -> None:
+    """A tensor in a rank's JSON state (``resume.adapters.jsonstate``): a shape no larger than
+    the bytes it carries (every element takes a byte at least), checked before anything is
+    allocated for it; the exact size is checked where it is decoded."""
+    shape, data, dtype = value.get("shape"), value["__tensor__"], value.get("dtype")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(n) is int and n >= 0 for n in shape)):
+        raise CorruptCheckpointError(f"{source}: {field}.shape: expected a list of at most 64 sizes, "
+                                     f"actual {short(shape)}")
+    if not (isinstance(data, str) and isinstance(dtype, str) and len(dtype) <= 40):
+        raise CorruptCheckpointError(f"{source}: {field}: expected a tensor's dtype and base64 data, "
+                                     f"actual {short({k: v for k, v in value.items() if k != '__tensor__'})}")
+    carried = len(data) * 3 // 4
+    if math.prod(shape) > carried:
+        raise CorruptCheckpointError(f"{source}: {field}: expected a tensor of at most {carried} elements (the "
+                                     f"bytes it carries), actual shape {short(shape)}")
 
 
 def verify_share(run: Run, coll: Collective, manifest: Manifest, *,

@@ -488,3 +488,26 @@ def test_a_coordinator_with_a_ttl_of_1e300_is_a_usage_error(run_dir, monkeypatch
     with pytest.raises(UsageError, match="lease ttl"):
         build(0, 1, run_dir, Setup(every=2))
     assert not os.path.exists(os.path.join(run_dir, LEASE_NAME))
+
+
+def test_a_lease_of_a_holder_that_died_is_taken_over_with_one_info_line(storage, caplog):
+    clock = Clock()
+    write_holder(storage, clock, heartbeat_at=clock.now - 600)  # a node that crashed ten minutes ago
+    with caplog.at_level(logging.INFO, logger="resume"):
+        Lease(storage, ttl_s=60, job_id="mine", clock=clock).acquire()
+    assert read_holder(storage).job_id == "mine"
+    assert not warnings_about(caplog, "lease")
+    [line] = [r.getMessage() for r in caplog.records if "taking over a stale lease" in r.getMessage()]
+    assert "heartbeat 600 s old" in line and "\n" not in line
+
+
+def test_a_lease_path_that_is_a_directory_is_one_line_refusal_not_a_traceback(storage, tmp_path, caplog):
+    from resume.errors import RunBusyError
+
+    os.makedirs(os.path.join(str(tmp_path), LEASE_NAME, "inside"))
+    with caplog.at_level(logging.INFO, logger="resume"), \
+            pytest.raises(RunBusyError, match=r"lease\.json: expected the run's lease file or none, actual a "
+                                              r"directory") as refused:
+        Lease(storage, ttl_s=60, job_id="mine", clock=Clock()).acquire()
+    assert "\n" not in str(refused.value) and refused.value.exit_code == 1
+    assert os.path.isdir(os.path.join(str(tmp_path), LEASE_NAME, "inside"))  # nothing of it removed

@@ -212,7 +212,12 @@ def edit_rank_state(run: str, edit) -> None:
      "rng.user['g'].state: expected a flat array"),
     (lambda s: s["rng"]["numpy"].__setitem__("keys", [0] * 3), "rng.numpy.keys: expected 624 integers"),
     (lambda s: s.__setitem__("adapter", [[[[]]]]), "adapter: expected an object"),
-], ids=["nan-offset", "huge-int", "2**40-shape-dtype", "short-keys", "adapter-list"])
+    (lambda s: s["adapter"].__setitem__("bomb", {"__tensor__": "", "dtype": "float32", "shape": [2**40]}),
+     "adapter.bomb: expected a tensor of at most 0 elements (the bytes it carries), actual shape [1099511627776]"),
+    (lambda s: s["adapter"].__setitem__("bomb", {"__tensor__": "AAAA", "dtype": "uint8", "shape": [1 << 20, 8]}),
+     "adapter.bomb: expected a tensor of at most 3 elements"),
+], ids=["nan-offset", "huge-int", "2**40-shape-dtype", "short-keys", "adapter-list", "2**40-tensor",
+        "tensor-larger-than-its-bytes"])
 def test_malformed_rank_state_fails_deep_verify_and_restore_falls_back(run_copy, edit, needle):
     edit_rank_state(run_copy, edit)
     assert resume_cli("verify", run_copy).returncode == 0  # sizes and checksums agree
@@ -220,6 +225,20 @@ def test_malformed_rank_state_fails_deep_verify_and_restore_falls_back(run_copy,
     outcome = restore_in_subprocess(run_copy)
     assert outcome.get("restored_from") == 2, outcome
     assert RANK0 in outcome["log"]
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda s: s["adapter"].__setitem__("schedulers", {"0": {}}), "adapter.schedulers: expected a list"),
+    (lambda s: s["adapter"].__setitem__("schedulers", [[1, 2]]),
+     "adapter.schedulers[0]: expected an object (the scheduler's state_dict) or null, actual [1, 2]"),
+    (lambda s: s["adapter"].__setitem__("optimizer_steps", ["3"]), "adapter.optimizer_steps: expected a list"),
+    (lambda s: s["adapter"].__setitem__("registered", [1]), "adapter.registered: expected an object"),
+], ids=["schedulers-object", "scheduler-list", "steps-strings", "registered-list"])
+def test_adapter_state_of_the_wrong_type_is_named_and_restore_falls_back(run_copy, edit, needle):
+    edit_rank_state(run_copy, edit)
+    outcome = restore_in_subprocess(run_copy)
+    assert outcome.get("restored_from") == 2, outcome
+    assert needle in outcome["log"] and "AttributeError" not in outcome["log"]
 
 
 def test_rank_state_nested_past_the_parser_is_refused(run_copy):

@@ -201,6 +201,10 @@ class DcpShardsMixin:
         state = self._sharded_state(saved_optimizers)
         for fqn in [f for f in state["optim"].get("state", {}) if f not in saved_fqns]:
             del state["optim"]["state"][fqn]
+        if "state" in state:  # a registered object's tensors: those saved (the others are named later)
+            keys = metadata.state_dict_metadata
+            state["state"] = {name: kept for name, paths in state["state"].items()
+                              if (kept := {p: t for p, t in paths.items() if f"state.{name}.{p}" in keys})}
         return saved_optimizers, state
 
     def _load_shards(self, storage: Storage, step_dir: str, manifest: Manifest | None) -> None:
@@ -315,8 +319,8 @@ class IndexedLoadMixin:
 
 def stage_for_load(state: dict, fresh: set[str]) -> dict:
     """``state`` with new memory for every tensor a load must not write before it is checked:
-    the model's, and the optimizer state of parameters not in ``fresh`` (state made for this
-    load is written directly). A DTensor keeps its mesh and placements."""
+    the model's, the registered objects', and the optimizer state of parameters not in ``fresh``
+    (state made for this load is written directly). A DTensor keeps its mesh and placements."""
     def new(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
@@ -328,7 +332,9 @@ def stage_for_load(state: dict, fresh: set[str]) -> dict:
     optim = dict(state["optim"])
     optim["state"] = {fqn: (entry if fqn in fresh else {k: new(v) for k, v in entry.items()})
                       for fqn, entry in state["optim"].get("state", {}).items()}
-    return {**state, "model": {k: new(v) for k, v in state["model"].items()}, "optim": optim}
+    registered = {name: {p: new(t) for p, t in paths.items()} for name, paths in state.get("state", {}).items()}
+    return {**state, "model": {k: new(v) for k, v in state["model"].items()}, "optim": optim,
+            **({"state": registered} if registered else {})}
 
 
 def copy_tree(obj: Any, reuse: Any = None) -> Any:

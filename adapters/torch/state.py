@@ -15,10 +15,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resume.errors import UsageError
+from resume.errors import CorruptCheckpointError, UsageError
+from resume.text import short
 
 from .. import jsonstate
 from .objects import holds_optimizers, merge_into
+from .registered import Registered
 
 __all__ = ["StateMixin"]
 
@@ -35,17 +37,45 @@ class StateMixin:
     _optimizer_part: dict[int, int]
     _steps: list[int]
     _internal_step: bool
+    registered: Registered
 
     def state_dict(self) -> dict:
         # Param-group hyperparameters travel here too: an optimizer without
         # state yet is not in the sharded checkpoint, but its LR still moved.
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
                   for opt in self.optimizers]
-        return {"schedulers": [jsonstate.encode(s.state_dict()) if hasattr(s, "state_dict") else None
-                               for s in self.schedulers],
-                "optimizer_steps": list(self._steps), "param_groups": jsonstate.encode(groups)}
+        out = {"schedulers": [jsonstate.encode(s.state_dict()) if hasattr(s, "state_dict") else None
+                              for s in self.schedulers],
+               "optimizer_steps": list(self._steps), "param_groups": jsonstate.encode(groups)}
+        if self.registered:
+            out["registered"] = self.registered.state()
+        return out
+
+    def check_state(self, state: dict, *, source: str) -> None:
+        """The fields ``load_state_dict`` reads, in type, before anything is loaded: a refusal
+        names the field (``adapter.schedulers[0]``), never a raw AttributeError."""
+        def bad(field: str, expected: str, actual: Any) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{source}: adapter.{field}: expected {expected}, actual {short(actual)}")
+        schedulers = state.get("schedulers")
+        if not isinstance(schedulers, list):
+            raise bad("schedulers", "a list of scheduler states", schedulers)
+        for i, sd in enumerate(schedulers):
+            if sd is not None and not isinstance(sd, dict):
+                raise bad(f"schedulers[{i}]", "an object (the scheduler's state_dict) or null", sd)
+        steps = state.get("optimizer_steps")
+        if not (isinstance(steps, list) and all(type(n) is int and n >= 0 for n in steps)):
+            raise bad("optimizer_steps", "a list of step counts", steps)
+        groups = state.get("param_groups", [])
+        if not (isinstance(groups, list) and all(isinstance(o, list) and all(isinstance(g, dict) for g in o)
+                                                 for o in groups)):
+            raise bad("param_groups", "per optimizer, a list of param groups (objects)", groups)
+        if "registered" in state:
+            self.registered.check(state["registered"], source=source)
 
     def load_state_dict(self, state: dict) -> None:
+        # The registered objects first: a name saved and not registered (or the other way) is
+        # named before the schedulers move.
+        self.registered.load(state.get("registered"), source="rank state")
         saved = state["schedulers"]
         if len(saved) != len(self.schedulers):
             raise ValueError(f"schedulers: expected {len(saved)} (as saved), actual {len(self.schedulers)}")
@@ -78,7 +108,8 @@ class StateMixin:
                     optim_sd.setdefault("param_groups", []).extend(part_optim.get("param_groups", []))
         finally:
             self._internal_step = False
-        return {"model": model_sd, "optim": optim_sd}
+        registered = self.registered.tensors()
+        return {"model": model_sd, "optim": optim_sd, **({"state": registered} if registered else {})}
 
     def _part_model_state(self, part: torch.nn.Module) -> dict:
         if self.model_state == "module":
@@ -98,7 +129,9 @@ class StateMixin:
 
     def _set_loaded(self, state: dict, saved_optimizers: list) -> None:
         """The loaded ``state`` into every model part and its optimizers (strict for the model;
-        parameters that had no optimizer state keep none)."""
+        parameters that had no optimizer state keep none); the registered objects' tensors kept
+        for ``load_state_dict``, which has the rest of their state."""
+        self.registered.kept(state.get("state", {}))
         for index, part in enumerate(self.model_parts):
             mine = [o for o in saved_optimizers if self._optimizer_part[id(o)] == index]
             part_keys = self._part_model_state(part).keys() if len(self.model_parts) > 1 else None

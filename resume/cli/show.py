@@ -169,6 +169,10 @@ def manifest(run: Run, m: Manifest, e: dict[str, Any]) -> None:
     for i, lrs in enumerate(e.get("lr_ahead", [])):
         click.echo(f"  lr +{i:<9d}{lrs}")
     click.echo(f"  optimizers    steps {e.get('optimizer_steps')}")
+    for name, entry in sorted((e.get("state_shown") or {}).items()):
+        values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in (entry.get("values") or {}).items())
+        click.echo(f"  state         {name}: {entry.get('kind')}" + (f", {values}" if values else ""))
     click.echo(f"  files         {len(m.files)}, {human_bytes(m.total_bytes)}")
     for rel, entry in sorted(m.files.items()):
         click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")
