@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 
 import pytest
+import torch
 from support import amp_trainer as at
 from support.shared import once
 from support.traces import read_jsonl
@@ -140,6 +141,14 @@ def test_the_2_rank_checkpoint_continues_on_1_rank_with_twice_the_accumulation(r
         # The same samples in each update, the same LR, the same skipped updates.
         assert sorted(entry["ids"]) == sorted(ref[0][update]["ids"] + ref[1][update]["ids"]), update
         assert entry["lr"] == ref[0][update]["lr"] and entry["applied"] == ref[0][update]["applied"]
+        # Micro-batch k of each rank is micro-batches 2k (rank 0's samples) and 2k + 1 (rank 1's)
+        # here. The first update runs on the restored weights: its losses are bitwise the same;
+        # after it the gradients are summed in another order, and the losses stay close.
+        interleaved = [ref[r][update]["losses"][k] for k in range(4) for r in range(WORLD)]
+        if update == 7:
+            assert entry["losses"] == interleaved
+        mine, theirs = (torch.tensor([float.fromhex(x) for x in losses]) for losses in (entry["losses"], interleaved))
+        assert torch.allclose(mine, theirs, rtol=2e-2), (update, mine, theirs)
     with open(os.path.join(out, "log-0.txt")) as f:
         log = f.read()
     assert "continuity ok" in log and "registered state ema, scaler" in log
