@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from support import amp_trainer as at
+from support.ranks import join_all
 from support.shared import once
 from support.traces import read_jsonl
 
@@ -51,14 +52,7 @@ def launch(run: str, out: str, kill=None, *, world: int = WORLD, accumulation: i
     store = os.path.join(out, f"store-{len(os.listdir(out))}")
     procs = [ctx.Process(target=_rank, args=(r, world, store, run, out, kill, accumulation, register, until))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return [p.exitcode for p in procs]
+    return join_all(procs, timeout_s=300)
 
 
 def read_final(out: str, rank: int) -> dict:

@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 from support import staged_trainer as st
+from support.ranks import join_all
 from support.shared import once
 from support.traces import read_jsonl
 
@@ -37,14 +38,7 @@ def launch(run: str, out: str, kill_at: int | None = None) -> list[int | None]:
     ctx = mp.get_context("spawn")
     store = os.path.join(out, f"store-{len(os.listdir(out))}")
     procs = [ctx.Process(target=_rank, args=(r, WORLD, store, run, out, kill_at)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return [p.exitcode for p in procs]
+    return join_all(procs, timeout_s=240)
 
 
 def read_trace(out: str, rank: int) -> list[dict]:

@@ -20,6 +20,7 @@ after that many updates (closing the coordinator) instead of at the run's end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resume import Coordinator
+from support.traces import LogToFile
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 MICRO = 2            # samples per micro-batch on each rank
@@ -102,7 +104,7 @@ class Trainer:
         """One micro-batch's forward and backward; its loss (unscaled, as a float)."""
         tokens = batch["tokens"]
         last = index == self.accumulation - 1
-        sync = self.ddp.no_sync() if self.ddp is not None and not last else _nothing()
+        sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
         with sync:
             with torch.autocast("cpu", dtype=torch.float16):
                 logits = (self.ddp or self.model)(tokens[:, :-1])
@@ -140,24 +142,6 @@ class Trainer:
                 "iteration": self.coord.iteration}
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Collect(logging.Handler):
-    def __init__(self, path: str) -> None:
-        super().__init__(logging.INFO)
-        self.path = path
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with open(self.path, "a") as f:
-            f.write(f"{record.levelname} {record.getMessage()}\n")
-
-
 def run_job(rank: int, world: int, run: str, out: str, kill: tuple[int, int] | None, *, accumulation: int = 4,
             register: tuple[str, ...] = ("scaler", "ema"), until: int | None = None) -> dict:
     import resume.journal
@@ -165,7 +149,7 @@ def run_job(rank: int, world: int, run: str, out: str, kill: tuple[int, int] | N
     resume.journal.WRITE_EVERY = 1
     logger = logging.getLogger("resume")
     logger.setLevel(logging.INFO)
-    logger.addHandler(_Collect(os.path.join(out, f"log-{rank}.txt")))
+    logger.addHandler(LogToFile(os.path.join(out, f"log-{rank}.txt"), with_level=True))
     trainer = Trainer(rank, world, run, accumulation, register)
     coord = trainer.coord
     coord.restore()

@@ -111,3 +111,16 @@ def run_ranks(fn, world: int, *args) -> list:
             with open(os.path.join(tmp, f"result-{rank}.json")) as f:
                 results.append(json.load(f))
         return results
+
+
+def join_all(procs: list, *, timeout_s: float) -> list[int | None]:
+    """Start ``procs`` (one job's processes), wait for each up to ``timeout_s``, kill what is left;
+    their exit codes (-9: killed)."""
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return [p.exitcode for p in procs]

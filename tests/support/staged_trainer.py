@@ -31,6 +31,7 @@ from resume.adapters.torch_native import NativeTorchAdapter
 from resume.drill.model import SyntheticTokens
 
 from resume import Coordinator
+from support.traces import LogToFile
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 GLOBAL_BATCH = 4
@@ -174,16 +175,6 @@ class _Cfg:
     vocab, seq_len = VOCAB, SEQ
 
 
-class _Collect(logging.Handler):
-    def __init__(self, path: str) -> None:
-        super().__init__(logging.INFO)
-        self.path = path
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with open(self.path, "a") as f:
-            f.write(record.getMessage() + "\n")
-
-
 def run_job(rank: int, world: int, run: str, out: str, kill_at: int | None) -> dict:
     # Each journal record written at its update, so that the test sees every iteration the
     # SIGKILL lost (by default a run this fast would lose the last second's: resume.journal).
@@ -192,7 +183,7 @@ def run_job(rank: int, world: int, run: str, out: str, kill_at: int | None) -> d
     resume.journal.WRITE_EVERY = 1
     logger = logging.getLogger("resume")
     logger.setLevel(logging.INFO)
-    logger.addHandler(_Collect(os.path.join(out, f"log-{rank}.txt")))
+    logger.addHandler(LogToFile(os.path.join(out, f"log-{rank}.txt")))
     trainer = Trainer(rank, world, run)
     restored = trainer.restore()
     trace_path = os.path.join(out, f"trace-{rank}.jsonl")

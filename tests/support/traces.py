@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 
@@ -20,3 +21,16 @@ def read_jsonl(path: str | os.PathLike, *, missing_ok: bool = False) -> list[dic
 def hook_events(run: str | os.PathLike) -> list[dict]:
     """The Slurm hook's event log of the run (``cluster/events.jsonl``)."""
     return read_jsonl(os.path.join(run, "cluster", "events.jsonl"))
+
+
+class LogToFile(logging.Handler):
+    """Every record at INFO and above appended to ``path`` (``with_level``: "LEVEL message" lines)."""
+
+    def __init__(self, path: str, *, with_level: bool = False) -> None:
+        super().__init__(logging.INFO)
+        self.path = path
+        self.with_level = with_level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with open(self.path, "a") as f:
+            f.write((f"{record.levelname} " if self.with_level else "") + record.getMessage() + "\n")
