@@ -17,7 +17,7 @@ from resume.storage import join
 from .parallel import megatron_layout
 
 __all__ = ["ADAPTER_NAME", "DATA_ARGS", "DEGREE_KEYS", "data_config", "data_parallel_rank", "group_overrides", "list_files",
-           "lr_ahead_megatron", "megatron_lr_numbering", "next_batch", "next_batch_ids", "rng_digest",
+           "loss_scale", "lr_ahead_megatron", "megatron_lr_numbering", "next_batch", "next_batch_ids", "rng_digest",
            "run_config", "same_degrees", "topology"]
 
 ADAPTER_NAME = "megatron-core"
@@ -93,6 +93,27 @@ def group_overrides(optimizer: Any) -> list[dict]:
     if not groups:
         return [{}]
     return [{k: float(g[k]) for k in ("max_lr", "min_lr") if k in g} for g in groups]
+
+
+def loss_scale(optimizer: Any) -> list[dict] | None:
+    """Each (chained) optimizer's fp16 loss scaler as Megatron saves it in the optimizer's state
+    (``grad_scaler``: scale, growth tracker, hysteresis tracker); None when none has a scaler
+    (fp32, bf16 without one)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else [])
+    out, any_scaler = [], False
+    for part in parts:
+        scaler = getattr(part, "grad_scaler", None)
+        if scaler is None:
+            out.append({})
+            continue
+        any_scaler = True
+        state = dict(scaler.state_dict() or {})
+        scale = state.pop("scale", None)
+        scale = scaler.scale if scale is None else scale
+        row = {"scale": float(scale.reshape(-1)[0]) if hasattr(scale, "reshape") else float(scale)}
+        row.update({k: int(v) for k, v in sorted(state.items()) if isinstance(v, int)})
+        out.append(row)
+    return out if any_scaler else None
 
 
 def lr_ahead_megatron(scheduler: Any, increment: int, k: int, groups: list[dict]) -> list[list[float]]:

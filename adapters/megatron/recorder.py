@@ -62,6 +62,7 @@ from .record import (
     ADAPTER_NAME,
     group_overrides,
     list_files,
+    loss_scale,
     lr_ahead_megatron,
     next_batch,
     rng_digest,
@@ -209,7 +210,8 @@ class MegatronRecorder:
                 "lr_schedule_ahead": [row[0] for row in
                                       schedule.lr_ahead(scheduler.num_steps, gbs, self.lr_lookahead)],
                 "samples": {"consumed_train_samples": int(args.consumed_train_samples),
-                            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0)}},
+                            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0)},
+                **({"loss_scale": scales} if (scales := loss_scale(optimizer)) is not None else {})},
         }
 
     def before_save(self, iteration: int) -> None:

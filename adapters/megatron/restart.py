@@ -19,7 +19,7 @@ another schedule only with ``--override-opt_param-scheduler``, and no other ``--
 ``--min-lr`` at all (its optimizer's param groups are matched by them).
 
 After the load (``check_live``, collective): counters, scheduler position, LR ahead,
-schedule, next batch and RNG against the record; a mismatch on any rank is the same
+schedule, next batch, RNG and the fp16 loss scaler against the record; a mismatch on any rank is the same
 ``ContinuityError`` on every rank, before the first iteration.
 """
 
@@ -44,6 +44,7 @@ from .parallel import saved_layout_change
 from .record import (
     data_parallel_rank,
     group_overrides,
+    loss_scale,
     lr_ahead_megatron,
     megatron_lr_numbering,
     next_batch_ids,
@@ -283,6 +284,7 @@ class MegatronRestart:
             raise ContinuityError("next_batch.ids", expected.next_batch["ids"][:8], ids[:8],
                                   "the data stream does not continue where it stopped")
         self._check_rng(expected, loaded.manifest, args)
+        _check_loss_scale(loaded.manifest, args, optimizer)
 
     def _check_lr_and_schedule(self, loaded: Loaded, expected: Expectation, iteration: int, args: Any,
                                scheduler: Any, optimizer: Any) -> None:
@@ -322,6 +324,25 @@ class MegatronRestart:
         if rank < len(expected.rng) and expected.rng[rank] != digest:
             raise ContinuityError(f"rng (rank {rank})", expected.rng[rank], digest,
                                   "a generator was re-seeded or not restored")
+
+
+def _check_loss_scale(manifest: Manifest, args: Any, optimizer: Any) -> None:
+    """The fp16 loss scaler continues where it stopped: Megatron loads it with the optimizer, and
+    silently starts a fresh one where the checkpoint has none or a constant ``--loss-scale`` is given."""
+    recorded = (manifest.expectation.get("megatron") or {}).get("loss_scale")
+    if recorded is None or optimizer is None or getattr(args, "no_load_optim", False) \
+            or getattr(args, "finetune", False):
+        return  # nothing recorded (fp32, bf16), or the optimizer's state deliberately not loaded
+    if not isinstance(recorded, list):
+        raise ContinuityError("megatron.loss_scale", "a list (one scaler per optimizer)",
+                              type(recorded).__name__, "the manifest's record is damaged")
+    live = loss_scale(optimizer) or []
+    for i, saved in enumerate(recorded):
+        now = live[i] if i < len(live) else None
+        if now != saved:
+            raise ContinuityError(f"megatron.loss_scale[{i}]", saved, now,
+                                  "the fp16 loss scaler does not continue where it stopped (a constant "
+                                  "--loss-scale, --bf16, or a checkpoint without the scaler's state)")
 
 
 def _kept_schedule(args: Any, kept: MegatronSchedule) -> tuple[MegatronSchedule, str, str]:

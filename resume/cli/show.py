@@ -173,6 +173,11 @@ def manifest(run: Run, m: Manifest, e: dict[str, Any]) -> None:
         values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in (entry.get("values") or {}).items())
         click.echo(f"  state         {name}: {entry.get('kind')}" + (f", {values}" if values else ""))
+    scales = (m.expectation.get("megatron") or {}).get("loss_scale")
+    for i, row in enumerate(scales if isinstance(scales, list) else []):
+        if isinstance(row, dict) and row:  # Megatron's fp16 loss scaler, per (chained) optimizer
+            click.echo(f"  loss scale    optimizer {i}: " + ", ".join(f"{k} {v:g}" if isinstance(v, float)
+                                                                    else f"{k} {v}" for k, v in row.items()))
     click.echo(f"  files         {len(m.files)}, {human_bytes(m.total_bytes)}")
     for rel, entry in sorted(m.files.items()):
         click.echo(f"    {rel:<28} {entry.size:>12}  {entry.checksum}")

@@ -47,13 +47,34 @@ def cuda_factories_on_cpu(names=("tensor", "zeros")):
             setattr(torch, n, f)
 
 
-def _wrap_on_cpu(owner, name):
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """For --fp16: Float16OptimizerWithFloat16Params accepts only parameters whose ``type()`` is
+    'torch.cuda.HalfTensor' or 'torch.cuda.FloatTensor', and DynamicGradScaler.load_state_dict moves
+    the saved scale with ``.cuda()``. Here a CPU tensor's type() reads as the CUDA one and
+    ``.cuda()`` keeps it where it is."""
+    saved_type, saved_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def type_(self, *a, **k):
+        name = saved_type(self, *a, **k)
+        return name.replace("torch.", "torch.cuda.", 1) if not (a or k or self.is_cuda) else name
+
+    torch.Tensor.type = type_
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        with cuda_factories_on_cpu():
+            yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = saved_type, saved_cuda
+
+
+def _wrap_on_cpu(owner, name, patch=cuda_factories_on_cpu):
     original = getattr(owner, name)
     if getattr(original, "_on_cpu", False):
         return
 
     def wrapped(*a, **k):
-        with cuda_factories_on_cpu():
+        with patch():
             return original(*a, **k)
     wrapped._on_cpu = True
     setattr(owner, name, wrapped)
@@ -85,8 +106,9 @@ def fresh(save_dir: str, extra: tuple[str, ...] = ()):
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer, grad_scaler
     from megatron.core.optimizer import optimizer as optimizer_module
+    from megatron.core.transformer.module import Float16Module
     from megatron.training import checkpointing, global_vars
     from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
     from megatron.training.training import (
@@ -110,6 +132,10 @@ def fresh(save_dir: str, extra: tuple[str, ...] = ()):
         parallel_state.initialize_model_parallel(1, 1)
     _wrap_on_cpu(checkpointing, "read_metadata")
     _wrap_on_cpu(optimizer_module.FP32Optimizer, "__init__")
+    _wrap_on_cpu(optimizer_module.Float16OptimizerWithFloat16Params, "__init__", cuda_tensors_on_cpu)
+    for scaler in (grad_scaler.MegatronGradScaler, grad_scaler.DynamicGradScaler):
+        _wrap_on_cpu(scaler, "__init__")
+    _wrap_on_cpu(grad_scaler.DynamicGradScaler, "load_state_dict", cuda_tensors_on_cpu)
     import random
 
     import numpy as np
@@ -124,6 +150,8 @@ def fresh(save_dir: str, extra: tuple[str, ...] = ()):
     config = core_transformer_config_from_args(args)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings)
+    if args.fp16:
+        gpt = Float16Module(config, gpt)  # what get_model does with --fp16
     with contextlib.redirect_stdout(io.StringIO()):
         model = [DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=gpt)]
         opt_config, overrides = get_megatron_optimizer_config(args)
@@ -169,7 +197,8 @@ def real_step(model, optimizer, *, force_skip: bool) -> bool:
     for _ in range(get_num_microbatches()):
         tokens = torch.randint(0, VOCAB, (MBS, SEQ))
         labels = torch.randint(0, VOCAB, (MBS, SEQ))
-        model[0](tokens, position, mask, labels=labels).float().mean().backward()
+        loss = model[0](tokens, position, mask, labels=labels).float().mean()
+        optimizer.scale_loss(loss).backward()  # backward_step's grad_scale_func; 1.0 without --fp16
     if force_skip:  # what a loss-scale overflow or a NaN gradient does: no update at all
         return False
     with cuda_factories_on_cpu():
@@ -178,11 +207,16 @@ def real_step(model, optimizer, *, force_skip: bool) -> bool:
 
 
 def train(args, model, optimizer, scheduler, recorder, *, until: int, start: int,
-          overflow_at: frozenset[int] = frozenset()) -> int:
-    """train()'s counters: each iteration reads a global batch; the scheduler steps on success."""
+          overflow_at: frozenset[int] = frozenset(), trace: list | None = None) -> int:
+    """train()'s counters: each iteration reads a global batch; the scheduler steps on success.
+    ``trace`` gets, per iteration, whether it updated and each fp16 scaler's state after it."""
+    from resume.adapters.megatron.record import loss_scale
+
     iteration = start
     while iteration < until:
         skipped = not real_step(model, optimizer, force_skip=(iteration + 1) in overflow_at)
+        if trace is not None:
+            trace.append([not skipped, loss_scale(optimizer)])
         if not skipped:
             scheduler.step(increment=GBS)
         recorder.count_iteration(skipped=skipped)  # what the installed train_step wrapper does
