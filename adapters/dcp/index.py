@@ -51,7 +51,8 @@ from resume.text import short
 from .metadata_check import MAX_NAME
 from .written import Written, columns_of
 
-__all__ = ["INDEX_FILE", "CheckpointIndex", "PlanTables", "Requests", "SubIndex", "encode_index", "partial_metadata",
+__all__ = ["INDEX_FILE", "CheckpointIndex", "PlanTables", "Requests", "SubIndex", "dtype_of", "encode_index",
+           "partial_metadata",
            "plan_tables", "requests_for"]
 
 INDEX_FILE = "index.resume"
@@ -67,6 +68,11 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
     torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)}
 _FLAG_REQUIRES_GRAD, _FLAG_PIN = 1, 2
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a name in ``header.dtypes`` (``CheckpointIndex.parse`` accepts only these)."""
+    return _DTYPES[name]
 
 
 def key_hash(name: str) -> int:

@@ -8,6 +8,7 @@ every item is read with ``weights_only=True``, inside the byte range ``.metadata
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -26,7 +27,7 @@ from resume.text import clip, short
 from .metadata_check import stored_bytes
 from .unpickle import METADATA_CAP, ZSTD, pickle_refusal, restricted_load_metadata
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "Window", "check_archive", "read_capped",
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "Window", "check_archive", "decode_chunk", "read_capped",
            "read_stored_tensor_into"]
 
 
@@ -434,3 +435,56 @@ def _matches(args: tuple, data: zipfile.ZipInfo, target: torch.Tensor) -> bool:
     expected_stride = tuple(torch.empty(0).new_empty(size).stride()) if size else ()
     return (dtype == target.dtype and storage_offset == 0 and size == tuple(target.shape)
             and stride == expected_stride and data.file_size == target.numel() * target.element_size())
+
+
+def decode_chunk(item: bytes | bytearray | memoryview, dtype: torch.dtype, sizes: tuple[int, ...], where: str, *,
+                 zstd: bool = False) -> torch.Tensor:
+    """One stored chunk (a DCP item's bytes: a torch.save'd tensor, zstd-compressed when ``zstd``)
+    as a tensor of ``dtype`` and ``sizes``, without running code: a whole contiguous record is
+    viewed in place (no copy); anything else goes through ``torch.load(weights_only=True)`` after
+    ``check_archive``. CorruptCheckpointError names ``where`` when it is not that tensor."""
+    expected = math.prod(sizes) * torch.empty(0, dtype=dtype).element_size()
+    if zstd:
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        item = read_capped(ZStandard().transform_from(io.BytesIO(item)), expected + ZIP_FRAMING, where)
+    window = Window(io.BytesIO(item), 0, len(item))
+    if not expected:
+        return torch.empty(sizes, dtype=dtype)
+    found = _stored_record(window)
+    if found is not None and _matches_shape(found[0], found[2], dtype, sizes):
+        start = found[1]
+        return torch.frombuffer(memoryview(item)[start:start + expected], dtype=torch.uint8).view(dtype).reshape(sizes)
+    window.seek(0)
+    check_archive(window, expected + ZIP_FRAMING, where)
+    window.seek(0)
+    try:
+        tensor = torch.load(window, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{where}: pickle: expected tensor data only, actual {pickle_refusal(e)} (refused, nothing run)") from e
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise CorruptCheckpointError(f"{where}: expected a stored tensor, actual {type(e).__name__}: "
+                                     f"{clip(str(e))}") from e
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
+        actual = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                  else type(tensor).__name__)
+        raise CorruptCheckpointError(f"{where}: expected a tensor {dtype} {tuple(sizes)}, actual {short(actual)}")
+    return tensor
+
+
+def _matches_shape(args: tuple, data: zipfile.ZipInfo, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    return _matches(args, data, _Shape(dtype, tuple(sizes)))
+
+
+class _Shape:
+    """What ``_matches`` reads of a target: its dtype, shape and byte size."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()

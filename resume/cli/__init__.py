@@ -1,7 +1,7 @@
-"""The command line: ``resume save | verify | ls | inspect | journal | rewind | plan | simulate | slurm | drill |
-megatron``.
+"""The command line: ``resume save | verify | ls | inspect | journal | rewind | export | plan | simulate | slurm |
+drill | megatron``.
 
-One module per command group (``checkpoints``, ``history``, ``planning``, ``slurm``, ``drill``,
+One module per command group (``checkpoints``, ``history``, ``export``, ``planning``, ``slurm``, ``drill``,
 ``megatron``) over library functions that import no click (``resume.verify`` holds verify's
 verdicts). Exit codes (every command; ``resume.errors``): 0 ok, 1 problems found or failed,
 2 usage error, 3 nothing there (no run, no committed checkpoint), 4 timed out. Errors are
@@ -18,6 +18,7 @@ import click
 from ..adapters.megatron import MEGATRON_LAYOUT  # noqa: F401
 from .checkpoints import inspect, ls_command, save, verify
 from .drill import drill
+from .export import export
 from .history import journal, rewind
 from .megatron import megatron
 from .planning import plan, simulate
@@ -36,7 +37,7 @@ def cli() -> None:
     """
 
 
-for _command in (save, verify, ls_command, inspect, journal, rewind, plan, simulate, slurm, drill, megatron):
+for _command in (save, verify, ls_command, inspect, journal, rewind, export, plan, simulate, slurm, drill, megatron):
     cli.add_command(_command)
 
 

@@ -1,0 +1,230 @@
+"""Reading a checkpoint's data files for an export: every byte once, hashed as it is read.
+
+Each data file is read front to back: the chunks an export needs are taken in the order the
+tensors are exported (which is the order a save wrote them, so each file moves forward only),
+the bytes between them (what the export leaves out) are hashed and dropped. When the last
+tensor is done, the rest of each file is hashed and every file's size and checksum compared
+with the manifest: an export is published only after every file verified. A file whose chunks
+the export would need out of order is hashed whole first and then read where needed (its bytes
+are read twice; ``Plan.rereads`` names such files).
+
+Memory: one chunk's bytes at a time (a chunk is at most its tensor), the tensor being put
+together, and a 16 MiB buffer for the bytes skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO
+
+import torch
+
+from resume.checksum import ALGORITHM, checksum_file
+from resume.errors import CorruptCheckpointError, StorageError
+from resume.manifest import Manifest
+from resume.storage import Storage, join
+from resume.text import clip, short
+
+from .entries import TensorEntry
+
+__all__ = ["DataFiles", "Plan", "plan_reads"]
+
+_SKIP_BLOCK = 16 << 20
+_OPEN_CAP = 64
+"""Files held open at once; the others are reopened at their position when needed again."""
+
+
+@dataclass
+class Plan:
+    entries: list[TensorEntry]
+    rereads: list[str]
+    """Files whose chunks are needed out of order: hashed whole first, then read where needed."""
+
+
+def plan_reads(entries: list[TensorEntry]) -> Plan:
+    """The export order (each tensor at its first chunk's file and offset) and the files it would
+    read backwards."""
+    ordered = sorted(entries, key=lambda e: min(((c.file, c.offset) for c in e.chunks), default=("", 0)))
+    position: dict[str, int] = {}
+    rereads = set()
+    for entry in ordered:
+        for chunk in sorted(entry.chunks, key=lambda c: (c.file, c.offset)):
+            if chunk.offset < position.get(chunk.file, 0):
+                rereads.add(chunk.file)
+            position[chunk.file] = max(position.get(chunk.file, 0), chunk.offset + chunk.length)
+    return Plan(ordered, sorted(rereads))
+
+
+class _File:
+    """One data file read forward, hashed."""
+
+    def __init__(self, storage: Storage, path: str, size: int, checksum: str, *, hashed: bool = True) -> None:
+        import xxhash
+
+        self.storage, self.path, self.size, self.checksum = storage, path, size, checksum
+        self.url = storage.url(path)
+        self.hash = xxhash.xxh3_64() if hashed else None
+        self.pos = 0
+        self.stream: IO[bytes] | None = None
+
+    def open(self) -> IO[bytes]:
+        if self.stream is None:
+            try:
+                self.stream = self.storage.open_read(self.path)
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(f"{self.url}: expected a file of {self.size} bytes, actual missing") from e
+            if self.pos:
+                self.stream.seek(self.pos)
+        return self.stream
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def read(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes at ``offset`` (not before the position, unless the file was verified
+        whole first), the bytes skipped on the way hashed."""
+        stream = self.open()
+        if self.hash is None:
+            stream.seek(offset)
+            self.pos = offset
+        elif offset < self.pos:
+            raise AssertionError(f"{self.url}: read at {offset} behind {self.pos}")  # plan_reads prevents it
+        self._skip_to(offset)
+        buf = bytearray(length)
+        view, filled = memoryview(buf), 0
+        while filled < length:
+            n = stream.readinto(view[filled:])
+            if not n:
+                raise CorruptCheckpointError(f"{self.url}: size: expected at least {offset + length} bytes "
+                                             f"(an item ends there), actual {offset + filled}")
+            filled += n
+        if self.hash is not None:
+            self.hash.update(buf)
+        self.pos = offset + length
+        return buf
+
+    def _skip_to(self, offset: int) -> None:
+        stream = self.stream
+        while self.pos < offset:
+            block = stream.read(min(_SKIP_BLOCK, offset - self.pos))
+            if not block:
+                raise CorruptCheckpointError(f"{self.url}: size: expected at least {offset} bytes, actual {self.pos}")
+            if self.hash is not None:
+                self.hash.update(block)
+            self.pos += len(block)
+
+    def finish(self) -> str | None:
+        """The rest hashed; a problem in ``verify``'s words, or None."""
+        if self.hash is None:
+            return None
+        self.open()
+        while True:
+            block = self.stream.read(_SKIP_BLOCK)
+            if not block:
+                break
+            self.hash.update(block)
+            self.pos += len(block)
+        self.close()
+        if self.pos != self.size:
+            return f"{self.url}: size: expected {self.size} bytes, actual {self.pos}"
+        digest = f"{ALGORITHM}:{self.hash.hexdigest()}"
+        return None if digest == self.checksum else f"{self.url}: checksum: expected {self.checksum}, actual {digest}"
+
+
+class DataFiles:
+    """The step's data files, each checked against the manifest (``finish``)."""
+
+    def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, plan: Plan,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.storage, self.step_dir, self.manifest = storage, step_dir, manifest
+        self.progress = progress
+        self.files: dict[str, _File] = {}
+        self._open: list[str] = []
+        self._rereads = set(plan.rereads)
+        for rel in sorted({c.file for e in plan.entries for c in e.chunks} | self._data_files()):
+            entry = manifest.files.get(rel)
+            if entry is None:
+                raise CorruptCheckpointError(f"{storage.url(join(step_dir, rel))}: expected a file the manifest "
+                                             f"lists (the index names it), actual unlisted")
+            self.files[rel] = _File(storage, join(step_dir, rel), entry.size, entry.checksum,
+                                    hashed=rel not in self._rereads)
+
+    def _data_files(self) -> set[str]:
+        return {rel for rel in self.manifest.files if rel.endswith(".distcp")}
+
+    def verify_rereads(self) -> None:
+        """The files read out of order, hashed whole before anything of them is used."""
+        for rel in sorted(self._rereads):
+            entry = self.manifest.files[rel]
+            path = join(self.step_dir, rel)
+            try:
+                size, checksum = checksum_file(self.storage, path)
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(f"{self.storage.url(path)}: expected a file of {entry.size} bytes, "
+                                             "actual missing") from e
+            if (size, checksum) != (entry.size, entry.checksum):
+                raise CorruptCheckpointError(f"{self.storage.url(path)}: checksum: expected {entry.checksum} "
+                                             f"({entry.size} bytes), actual {checksum} ({size} bytes)")
+
+    def read_tensor(self, entry: TensorEntry, source: str) -> torch.Tensor:
+        """The whole tensor, put together from its chunks (one chunk: that tensor itself)."""
+        from ..dcp.reader import decode_chunk
+
+        full = None
+        for chunk in sorted(entry.chunks, key=lambda c: (c.file, c.offset)):
+            buf = self._read(chunk.file, chunk.offset, chunk.length)
+            where = f"{self.files[chunk.file].url}: {short(entry.key, 120)}"
+            try:
+                part = decode_chunk(buf, entry.dtype, chunk.sizes, where, zstd=chunk.zstd)
+            except (CorruptCheckpointError, StorageError):
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(f"{where}: expected a stored tensor, actual {type(e).__name__}: "
+                                             f"{clip(str(e))}") from e
+            if len(entry.chunks) == 1 and tuple(chunk.sizes) == entry.shape:
+                return part
+            if full is None:
+                full = torch.empty(entry.shape, dtype=entry.dtype)
+            box = full
+            for dim, (at, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                box = box.narrow(dim, at, n)
+            box.copy_(part)
+        return full if full is not None else torch.empty(entry.shape, dtype=entry.dtype)
+
+    def _read(self, rel: str, offset: int, length: int) -> bytearray:
+        f = self.files[rel]
+        if rel not in self._open:
+            self._open.append(rel)
+            if len(self._open) > _OPEN_CAP:
+                self.files[self._open.pop(0)].close()
+        before = f.pos
+        buf = f.read(offset, length)
+        if self.progress is not None:
+            self.progress(max(0, f.pos - before) if f.hash is not None else length)
+        return buf
+
+    def finish(self) -> list[str]:
+        """Every data file's rest hashed and compared; the problems (none: all verified)."""
+        problems = []
+        for rel, f in sorted(self.files.items()):
+            before = f.pos
+            try:
+                problem = f.finish()
+            except FileNotFoundError:
+                problem = f"{f.url}: expected a file of {f.size} bytes, actual missing"
+            if self.progress is not None and f.hash is not None:
+                self.progress(max(0, f.pos - before))
+            if problem:
+                problems.append(problem)
+        return problems
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
