@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
+from resume.drill.model import GPTConfig, TinyGPT
 from safetensors.torch import load_file
 from support.checkpoints import flip_byte
 from support.cli import assert_one_line_error, resume
 from support.ranks import run_ranks
 
 from resume.checksum import checksum_bytes
-from resume.drill.model import GPTConfig, TinyGPT
 
 pytestmark = pytest.mark.multiprocess
 
@@ -149,11 +149,11 @@ def test_nothing_selected_and_bad_sizes_are_usage_errors(drilled, tmp_path):
 def _fsdp2_job(rank: int, world: int, run: str) -> dict:
     """TinyGPT with every block and the whole model fully_shard'ed over 2 ranks, 4 updates, a save
     at 4; the full (gathered) parameters at the save."""
+    from resume.adapters.torch_native import NativeTorchAdapter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from resume import Coordinator
-    from resume.adapters.torch_native import NativeTorchAdapter
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig())
