@@ -51,11 +51,13 @@ from .torch.settings import SettingsMixin
 from .torch.shards import DcpShardsMixin, IndexedLoadMixin
 from .torch.state import StateMixin
 from .torch.view import OptimizerViewMixin
+from .torch.warm import WarmStartMixin
 
 __all__ = ["MODEL_STATE_MODES", "NativeTorchAdapter", "TorchDistComm", "allreduce_each_gradient", "comm_for"]
 
 
-class NativeTorchAdapter(DcpShardsMixin, IndexedLoadMixin, StateMixin, SettingsMixin, OptimizerViewMixin, Adapter):
+class NativeTorchAdapter(DcpShardsMixin, IndexedLoadMixin, StateMixin, SettingsMixin, OptimizerViewMixin, WarmStartMixin,
+                         Adapter):
     """Model + optimizers + schedulers + data, saved with torch.distributed.checkpoint.
 
     ``model``: a module, or the model parts this rank holds (pipeline stages; torchtitan's

@@ -49,7 +49,7 @@ from .manifest import Manifest
 from .storage import Storage
 
 __all__ = ["Adapter", "DataPosition", "OptimizerView", "RankState", "SettingsView", "ShardIO",
-           "StagedShardIO"]
+           "StagedShardIO", "WarmStartIO"]
 
 
 class DataPosition(ABC):
@@ -276,7 +276,26 @@ class StagedShardIO(ABC):
         raise NotImplementedError
 
 
-class Adapter(DataPosition, OptimizerView, SettingsView, RankState, ShardIO, StagedShardIO):
+class WarmStartIO(ABC):
+    """A new run's first weights from another run's checkpoint or an export (``resume.warmstart``;
+    optional). ``origin``: what ``resume.warmstart.resolve`` verified (kind, source, step_dir or
+    files)."""
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        """Local: the model tensors this rank holds, by the names a checkpoint gives them, with
+        their whole (global) shapes."""
+        raise UsageError(f"warm_start: expected an adapter that can load weights, actual {type(self).__name__}")
+
+    def source_shapes(self, origin: dict) -> dict[str, list[int]]:
+        """Rank 0: the source's model tensors, by the same names, with their shapes."""
+        raise UsageError(f"warm_start: expected an adapter that can load weights, actual {type(self).__name__}")
+
+    def load_weights(self, origin: dict) -> None:
+        """Collective: the source's model tensors into the live model (nothing else)."""
+        raise UsageError(f"warm_start: expected an adapter that can load weights, actual {type(self).__name__}")
+
+
+class Adapter(DataPosition, OptimizerView, SettingsView, RankState, ShardIO, StagedShardIO, WarmStartIO):
     """Every protocol above: what the coordinator needs of one framework."""
 
     name: str = "adapter"

@@ -76,6 +76,13 @@ class CoordinatorConfig:
     param-group or schedule setting is refused with ContinuityError. An accepted change keeps
     the code's value and is recorded in the next manifest (``changes``). The environment's
     ``RESUME_ACCEPT_CHANGES`` (comma-separated) adds to it, for a requeued job."""
+    warm_start: Any = None
+    """A new run's first weights from another run's committed checkpoint (its URL, ``URL@STEP``
+    for a step other than its newest) or from a ``resume export`` directory (a
+    ``resume.warmstart.WarmStart`` too): verified, compared by name and shape, and loaded into the
+    model only when this run has no checkpoint of its own; counters, optimizer, schedule and data
+    start fresh, and every manifest records the origin. None: the environment's
+    ``RESUME_WARM_START``, else a start from scratch."""
     journal: bool = True
     """Rank 0 keeps the update journal (``resume.journal``: one record per update, sealed by each
     commit; ``resume journal RUN``). False: none is written."""

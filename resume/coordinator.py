@@ -48,6 +48,7 @@ from .state import TrainState
 from .storage import open_storage
 from .stragglers import summarize
 from .trigger import SaveTrigger
+from .warmstart import WarmStart, warm_start
 from .watchdog import Watchdog, process_watchdog, seconds_or_none
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
@@ -81,6 +82,9 @@ class Coordinator:
         """Settings changed on purpose at restarts, ``{step, item, from, to}`` (manifest ``changes``)."""
         self.rewinds: list[dict] = []
         """The rewinds this line of the run went through (manifest ``rewinds``; ``resume.rewind``)."""
+        self.origin: dict | None = None
+        """Where a warm-started run's first weights came from (manifest ``origin``; ``resume.warmstart``)."""
+        self.warm_start = WarmStart.parse(self.settings.warm_start) or WarmStart.from_env()
         self._skips = Skips()
         self.rng = RngRegistry()
         self.state = TrainState()
@@ -343,7 +347,8 @@ class Coordinator:
             self._looked_for_state = True
             for line in self.adapter.unregistered_state():
                 log.warning("resume: %s", line)
-        record = {"user": as_json(self.user, "user"), "changes": list(self.changes), "rewinds": list(self.rewinds)}
+        record = {"user": as_json(self.user, "user"), "changes": list(self.changes), "rewinds": list(self.rewinds),
+                  "origin": self.origin}
         journal_lines = self.journal.snapshot(commit.step) if self.journal is not None else None
         if self.coll.on_rank0(commit.prepare):
             self.last_committed_step = commit.step
@@ -450,10 +455,14 @@ class Coordinator:
     # -- restore --------------------------------------------------------------------------
 
     def _start_fresh(self) -> None:
+        if self.warm_start is not None:  # verified and loaded before anything of the run is written
+            self.origin = warm_start(self.warm_start, self.adapter, self.comm)
+
         def write_info() -> None:
             if self.run.read_info() is None:
                 self.run.write_info({"config": self.settings.recorded_config(), "adapter": self.adapter.name,
-                                     "topology": self.adapter.topology()})
+                                     "topology": self.adapter.topology(),
+                                     **({"origin": self.origin} if self.origin else {})})
         self.coll.on_rank0(write_info)
         if self.journal is not None:
             self.journal.start(None, None)
@@ -468,6 +477,9 @@ class Coordinator:
         self.watchdog.measured_save_s = seconds_or_none(restored.manifest.timing.get("save_s"))
         self.changes = restored.changes
         self.rewinds, self._skips = restored.rewinds, restored.skips
+        self.origin = restored.manifest.origin  # the run's own checkpoint: its source is never read again
+        if self.warm_start is not None and self.rank == 0:
+            log.info("resume: warm start from %s not used: the run has its own checkpoint", self.warm_start.source)
         if self.journal is not None:
             self.journal.start(restored.manifest.journal, restored.manifest.step)
         self._next.start(self.state.iteration)

@@ -276,5 +276,12 @@ class AdoptRefusedError(ResumeError, RuntimeError):
     exit_code = EXIT_PROBLEM
 
 
+class WarmStartError(ResumeError, RuntimeError):
+    """A warm start's source is missing, damaged, or does not fit the model (names and shapes
+    named one per line); nothing was loaded."""
+
+    exit_code = EXIT_PROBLEM
+
+
 class PlanCacheMismatchError(RuntimeError):
     """Rank 0 has no cached plans while a rank sent an empty one (it believes rank 0 does)."""

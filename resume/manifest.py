@@ -72,6 +72,10 @@ class Manifest:
     stragglers: dict[str, Any] | None = None
     """The slowest ranks and nodes since the previous save (``resume.stragglers.summarize``:
     ranks, median_s, slowest, nodes); None when nothing was measured (and in older manifests)."""
+    origin: dict[str, Any] | None = None
+    """Where a warm-started run's first weights came from (``resume.warmstart``: kind, source,
+    step, manifest_checksum, loaded, at), carried from manifest to manifest; None for a run that
+    started from scratch (and in older manifests)."""
 
     def to_json(self) -> str:
         body = {
@@ -96,6 +100,8 @@ class Manifest:
             body["journal"] = self.journal
         if self.rewinds:
             body["rewinds"] = self.rewinds
+        if self.origin is not None:
+            body["origin"] = self.origin
         return _two_levels(body)
 
     @property
@@ -136,6 +142,7 @@ class Manifest:
             stragglers=check_stragglers(body.get("stragglers"), source),
             journal=_parse_journal(body.get("journal"), source=source),
             rewinds=_parse_rewinds(body.get("rewinds", []), source=source),
+            origin=_parse_origin(body.get("origin"), source=source),
         )
 
 
@@ -173,6 +180,22 @@ def _parse_files(files_raw: Any, *, source: str) -> dict[str, FileEntry]:
                                 f"actual {checksum!r}")
         files[path] = FileEntry(size, checksum)
     return files
+
+
+ORIGIN_FIELDS = {"kind": str, "source": str, "step": int, "manifest_checksum": str, "loaded": list, "at": str}
+
+
+def _parse_origin(origin: Any, *, source: str) -> dict[str, Any] | None:
+    """``origin``: absent, or an object whose known fields have their types (others kept)."""
+    if origin is None:
+        return None
+    if not isinstance(origin, dict):
+        raise ManifestError(f"{source}: origin: expected an object, actual {short(origin)}")
+    for name, kind in ORIGIN_FIELDS.items():
+        value = origin.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ManifestError(f"{source}: origin.{name}: expected {kind.__name__}, actual {short(value)}")
+    return origin
 
 
 def _parse_changes(changes: Any, *, source: str) -> list[dict[str, Any]]:

@@ -24,10 +24,10 @@ import torch
 
 from resume.checksum import ALGORITHM
 
-__all__ = ["FORMATS", "ExportWriter", "Shard", "plan_shards"]
+__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "ExportWriter", "Shard", "plan_shards"]
 
 FORMATS = ("safetensors", "torch")
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
@@ -75,7 +75,7 @@ def _safetensors_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     at = 0
     for name, dtype, shape in zip(shard.names, shard.dtypes, shard.shapes):
         n = _nbytes(dtype, shape)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
         at += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

@@ -173,6 +173,10 @@ def manifest(run: Run, m: Manifest, e: dict[str, Any]) -> None:
         values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in (entry.get("values") or {}).items())
         click.echo(f"  state         {name}: {entry.get('kind')}" + (f", {values}" if values else ""))
+    if m.origin is not None:
+        o = m.origin
+        click.echo(f"  origin        warm start from {o.get('source')} step {o.get('step')} ({o.get('kind')}, manifest "
+                   f"{o.get('manifest_checksum')}, loaded {', '.join(map(str, o.get('loaded') or []))}) at {o.get('at')}")
     scales = (m.expectation.get("megatron") or {}).get("loss_scale")
     for i, row in enumerate(scales if isinstance(scales, list) else []):
         if isinstance(row, dict) and row:  # Megatron's fp16 loss scaler, per (chained) optimizer

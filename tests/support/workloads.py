@@ -41,6 +41,7 @@ class Setup:
     keep: int = 3
     on_save_failure: str = "raise"
     extra: dict = field(default_factory=dict)
+    warm_start: str | None = None
 
 
 class StatelessLoader:
@@ -90,7 +91,7 @@ def build(rank: int, world: int, run: str, setup: Setup) -> tuple[Coordinator, d
     coord = Coordinator(run, adapter, global_batch=setup.global_batch, every=setup.every,
                         seq_len=CFG.seq_len, config=config, handle_signals=False,
                         async_save=setup.async_save, keep=setup.keep,
-                        on_save_failure=setup.on_save_failure)
+                        on_save_failure=setup.on_save_failure, warm_start=setup.warm_start)
     return coord, {"model": model, "ddp": ddp, "opt": opt, "sched": sched}
 
 
