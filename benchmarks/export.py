@@ -225,9 +225,9 @@ def read_files(files: dict[str, str], *, hashed: bool, copy_to: str | None = Non
 def child(run_dir: str, out: str, part: str) -> None:
     """In a fresh process: the export's modules imported, ``ru_maxrss`` noted, the export timed;
     one JSON line: its result, the seconds and the peak RSS before and after."""
-    import resume.adapters.dcp.index  # noqa: F401 - imported before the baseline, as the export would
-    import resume.adapters.dcp.reader  # noqa: F401
-    import resume.adapters.dcp.unpickle  # noqa: F401
+    import resume.adapters.dcp.index
+    import resume.adapters.dcp.reader
+    import resume.adapters.dcp.unpickle
     import resume.adapters.torch.metadata  # noqa: F401
     from resume.adapters.export import Selection, export_checkpoint
 

@@ -11,15 +11,15 @@ import shutil
 
 import pytest
 import torch
+from resume.adapters.torch_native import NativeTorchAdapter
+from resume.drill.model import GPTConfig, TinyGPT, warmup_cosine
 from support.checkpoints import flip_byte
 from support.cli import resume
 from support.ranks import run_ranks
 from support.workloads import CFG, Setup, build, param_digests, train, trained
 
 from resume import Coordinator
-from resume.adapters.torch_native import NativeTorchAdapter
 from resume.checksum import checksum_bytes
-from resume.drill.model import GPTConfig, TinyGPT, warmup_cosine
 from resume.errors import WarmStartError
 
 B_SETUP = {"seed": 1, "peak_lr": 5e-3, "total_updates": 30}
