@@ -82,9 +82,7 @@ class Coordinator:
         """Settings changed on purpose at restarts, ``{step, item, from, to}`` (manifest ``changes``)."""
         self.rewinds: list[dict] = []
         """The rewinds this line of the run went through (manifest ``rewinds``; ``resume.rewind``)."""
-        self.origin: dict | None = None
-        """Where a warm-started run's first weights came from (manifest ``origin``; ``resume.warmstart``)."""
-        self.warm_start = WarmStart.parse(self.settings.warm_start) or WarmStart.from_env()
+        self.warm_start, self.origin = WarmStart.parse(self.settings.warm_start) or WarmStart.from_env(), None
         self._skips = Skips()
         self.rng = RngRegistry()
         self.state = TrainState()
