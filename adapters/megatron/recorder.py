@@ -58,6 +58,7 @@ from .args import check_supported
 from .asyncsave import SaveSnapshot
 from .common import CommonState
 from .layout import MEGATRON_LAYOUT
+from .pretrained import pretrained_origin
 from .record import (
     ADAPTER_NAME,
     group_overrides,
@@ -134,6 +135,8 @@ class MegatronRecorder:
         self.changes: list[dict] = []
         """What restarts of this line changed on purpose, ``{step, item, from, to}``: another
         parallel layout (manifest ``changes``)."""
+        self.origin: dict | None = None
+        """Where the run's first weights came from (``--pretrained-checkpoint``; manifest ``origin``)."""
 
     @property
     def comm(self) -> Comm:
@@ -293,7 +296,7 @@ class MegatronRecorder:
                         expectation=expectation, topology=topology(args, self.comm.world_size),
                         config=run_config(args), adapter=ADAPTER_NAME, stragglers=summarize(parts),
                         timing={"manifest_s": round(self.clock() - started, 3)}, rewinds=list(self.rewinds),
-                        changes=list(self.changes))
+                        changes=list(self.changes), origin=self.origin)
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -304,6 +307,8 @@ class MegatronRecorder:
         check_supported(args)
         self._hold_lease()
         self.loaded = self._restart().choose(args)
+        if self.loaded is None:  # a fresh start, or Megatron's warm start from --pretrained-checkpoint
+            self.origin = pretrained_origin(args, self.collective, self.run)
         return self.loaded.manifest.step if self.loaded is not None else None
 
     def after_load(self, iteration: int, args: Any, scheduler: Any, optimizer: Any = None) -> None:
@@ -324,6 +329,7 @@ class MegatronRecorder:
         # A rewind to this checkpoint (resume rewind) is carried in every later manifest.
         self.rewinds = list(loaded.manifest.rewinds) + ([carried(loaded.rewind)] if loaded.rewind else [])
         self.changes = list(loaded.manifest.changes) + loaded.changes  # another layout (``parallel``)
+        self.origin = loaded.manifest.origin  # the run's own checkpoint: its source is not read again
         if self.updates is not None:
             self.updates.start(loaded.manifest.journal, loaded.manifest.step)
         if self.comm.rank == 0:
