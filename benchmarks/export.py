@@ -22,10 +22,11 @@ is "dropped", or "warm" when a drop left more than a tenth of its pages in memor
 - ``export_model`` and ``export_all``: ``export_checkpoint(run, OUT)`` to a fresh OUT (safetensors,
   dtype kept) with ``Selection(part="model")`` (the default: the model's weights) and
   ``Selection(part="all")`` (every tensor: bytes written about the bytes read), each in a fresh
-  Python process (``python -c``) timed around the call there. Its peak memory: ``ru_maxrss`` after
-  the call minus ``ru_maxrss`` after the imports (the export's modules imported first), the peak
-  first brought down to the RSS then where ``/proc/self/clear_refs`` permits (``peak_rss_reset``;
-  otherwise a passing peak of the imports can hide a smaller export's).
+  Python process (``python -c``) timed around the call there. Its peak memory: the peak RSS
+  (``VmHWM``; ``ru_maxrss`` without ``/proc``, though it survives ``execve`` and so starts at the
+  parent's peak) after the call minus the same after the imports (the export's modules imported
+  first), the peak first brought down to the RSS then where ``/proc/self/clear_refs`` permits
+  (``peak_rss_reset``; otherwise a passing peak of the imports can hide a smaller export's).
 
 After each export (not timed), its output is checked: every file its record lists is there with that
 size and xxh3 checksum, the index maps every tensor to its shard, and every tensor (model weights,
@@ -223,7 +224,7 @@ def read_files(files: dict[str, str], *, hashed: bool, copy_to: str | None = Non
 # -- the export, in a fresh process ------------------------------------------------------------
 
 def child(run_dir: str, out: str, part: str) -> None:
-    """In a fresh process: the export's modules imported, ``ru_maxrss`` noted, the export timed;
+    """In a fresh process: the export's modules imported, the peak RSS noted, the export timed;
     one JSON line: its result, the seconds and the peak RSS before and after."""
     import resume.adapters.dcp.index
     import resume.adapters.dcp.reader
@@ -234,24 +235,38 @@ def child(run_dir: str, out: str, part: str) -> None:
     logging_quiet()
     gc.collect()
     reset = reset_peak_rss()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss_now()
     started = time.perf_counter()
     result = export_checkpoint(run_dir, out, selection=Selection(part=part))
     seconds = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = peak_rss_now()
     print(json.dumps({**result.to_dict(), "seconds": seconds, "rss_after_imports": before, "rss_peak": after,
                       "rss_peak_reset": reset}))
 
 
 def reset_peak_rss() -> bool:
-    """The peak RSS brought down to the RSS now (``/proc/self/clear_refs``: 5), so that
-    ``ru_maxrss`` no longer holds the imports' passing peak; False where not permitted."""
+    """The peak RSS brought down to the RSS now (``/proc/self/clear_refs``: 5), so that it no
+    longer holds the imports' passing peak; False where not permitted."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
         return False
+
+
+def peak_rss_now() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` (its own address space's), else ``ru_maxrss``.
+    ``ru_maxrss`` survives ``execve``: a child's starts at its parent's peak (here: the whole
+    training state) and would hide the export's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def export_in_child(run_dir: str, out: str, part: str) -> dict:

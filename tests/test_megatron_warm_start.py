@@ -29,9 +29,9 @@ def _digest(model) -> str:
 def _job(rank: int, world: int, save_dir: str, pretrained: str | None, until: int) -> dict:
     """A fresh process: load (the run's own save, else the pretrained one), digest the weights,
     train to ``until`` and save there."""
+    from resume.adapters.megatron import install
     from support import megatron_training_run as m
 
-    from resume.adapters.megatron import install
     from resume.errors import ResumeError
 
     recorder = install()

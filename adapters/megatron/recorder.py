@@ -135,8 +135,7 @@ class MegatronRecorder:
         self.changes: list[dict] = []
         """What restarts of this line changed on purpose, ``{step, item, from, to}``: another
         parallel layout (manifest ``changes``)."""
-        self.origin: dict | None = None
-        """Where the run's first weights came from (``--pretrained-checkpoint``; manifest ``origin``)."""
+        self.origin: dict | None = None  # the first weights' source (--pretrained-checkpoint; manifest origin)
 
     @property
     def comm(self) -> Comm:
