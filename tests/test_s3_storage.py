@@ -120,3 +120,42 @@ def test_journal_and_rewind_on_an_object_store(s3):
     coord.close()
     listing = json.loads(resume("ls", RUN, "--json", timeout=300).stdout)
     assert [c["step"] for c in listing["checkpoints"]] == [3] and listing["abandoned"][0]["steps"] == [6]
+
+
+def test_export_and_warm_start_from_an_object_store(s3, tmp_path):
+    """``resume export`` reads a run on S3 (each object once, hashed) and a new local run
+    warm-starts from it, through the faulty proxy."""
+    import s3fs
+    import torch
+    from safetensors.torch import load_file
+    from support.workloads import Setup, build, param_digests, train
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    coord, parts = build(0, 1, RUN, Setup(every=3))
+    coord.restore()
+    train(coord, parts, until=6)
+    coord.close()
+    weights = {k: v.clone() for k, v in parts["model"].state_dict().items()}
+    out = str(tmp_path / "out")
+    proc = resume("export", RUN, out, "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["step"] == 6
+    exported = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+
+    coord, parts = build(0, 1, str(tmp_path / "B"), Setup(every=3, seed=5, warm_start=RUN))
+    coord.restore()
+    coord.close()
+    assert param_digests(parts["model"]) == param_digests(_module(weights))
+    assert coord.origin["source"] == RUN and coord.origin["step"] == 6
+
+
+def _module(state: dict):
+    """A module whose state_dict is ``state`` (for its digests)."""
+    from support.workloads import CFG
+
+    from resume.drill.model import TinyGPT
+
+    model = TinyGPT(CFG)
+    model.load_state_dict(state)
+    return model
