@@ -152,9 +152,8 @@ def test_export_and_warm_start_from_an_object_store(s3, tmp_path):
 
 def _module(state: dict):
     """A module whose state_dict is ``state`` (for its digests)."""
-    from support.workloads import CFG
-
     from resume.drill.model import TinyGPT
+    from support.workloads import CFG
 
     model = TinyGPT(CFG)
     model.load_state_dict(state)
