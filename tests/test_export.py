@@ -12,7 +12,7 @@ import pytest
 import torch
 from resume.drill.model import GPTConfig, TinyGPT
 from safetensors.torch import load_file
-from support.checkpoints import flip_byte
+from support.checkpoints import drop_index, flip_byte, plant_metadata_pickle
 from support.cli import assert_one_line_error, resume
 from support.ranks import run_ranks
 
@@ -125,6 +125,29 @@ def test_a_flipped_byte_refuses_the_export_naming_the_file_and_writes_nothing(dr
     assert_one_line_error(proc, 1, victim, "checksum")
     assert not os.path.exists(out)
     assert os.listdir(tmp_path) == ["run"]  # no partial directory left beside it
+
+
+def test_a_step_without_the_index_exports_from_dcps_metadata_alike(drilled, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(drilled, run)
+    drop_index(_step_dir(run, 10))
+    with_index, without = str(tmp_path / "a"), str(tmp_path / "b")
+    assert resume("export", drilled, with_index).returncode == 0
+    proc = resume("export", run, without)
+    assert proc.returncode == 0, proc.stderr
+    a, b = _exported(with_index), _exported(without)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_metadata_pickle_that_runs_code_is_refused_and_nothing_runs(drilled, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(drilled, run)
+    marker = tmp_path / "ran"
+    plant_metadata_pickle(_step_dir(run, 10), str(marker))
+    out = str(tmp_path / "out")
+    proc = resume("export", run, out, "--step", "10")
+    assert_one_line_error(proc, 1, ".metadata")
+    assert not marker.exists() and not os.path.exists(out)
 
 
 def test_an_out_directory_with_files_is_never_replaced(drilled, tmp_path):
