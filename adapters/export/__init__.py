@@ -16,6 +16,7 @@ in sharded safetensors or torch files, for evaluation and serving (imported as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -161,8 +162,7 @@ def export_checkpoint(run_url: str, out: str, *, step: int | None = None, fmt: s
         raise UsageError(f"max_shard_size: expected a positive number of bytes, actual {max_shard_size}")
     started = time.perf_counter()
     src = read_entries(run_url, step)
-    selection = selection or Selection()
-    selection.megatron = src.megatron
+    selection = dataclasses.replace(selection or Selection(), megatron=src.megatron)  # the caller's kept as given
     chosen = select(src.entries, selection)
     where = src.run.storage.url(src.step_dir)
     for entry in chosen:
