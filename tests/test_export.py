@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from support.checkpoints import drop_index, flip_byte, plant_metadata_pickle
 from support.cli import assert_one_line_error, resume
 from support.ranks import run_ranks
+from support.workloads import ListData
 
 from resume.checksum import checksum_bytes
 
@@ -185,23 +186,9 @@ def _fsdp2_job(rank: int, world: int, run: str) -> dict:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = [{"ids": torch.tensor([i]), "tokens": torch.randint(0, GPTConfig().vocab, (1, 16))} for i in range(64)]
-
-    class Data:
-        pos = 0
-
-        def state_dict(self):
-            return {"pos": self.pos}
-
-        def load_state_dict(self, state):
-            self.pos = state["pos"]
-
-        def __iter__(self):
-            while self.pos < len(data):
-                self.pos += 1
-                yield data[self.pos - 1]
-
-    coord = Coordinator(run, NativeTorchAdapter(model, opt, [], Data()), global_batch=world, every=4,
+    data = ListData([{"ids": torch.tensor([i]), "tokens": torch.randint(0, GPTConfig().vocab, (1, 16))}
+                     for i in range(64)])
+    coord = Coordinator(run, NativeTorchAdapter(model, opt, [], data), global_batch=world, every=4,
                         handle_signals=False)
     coord.restore()
     for batch in coord.batches():

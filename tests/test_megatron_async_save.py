@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from support.cli import resume
+from support.megatron import saved_manifest
 from support.ranks import run_ranks
 
 # Marked one by one: the tests that read our own code run without megatron-core too (.ci/run's
@@ -46,11 +47,6 @@ def killed(tmp_path_factory):
     return save_dir, seen
 
 
-def _manifest(save_dir: str, iteration: int) -> dict:
-    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
-        return json.load(f)
-
-
 @pytest.mark.megatron
 @pytest.mark.multiprocess
 def test_manifest_is_written_when_megatron_finalizes_the_save_not_when_the_files_are_written(killed):
@@ -71,7 +67,7 @@ def test_each_manifest_records_the_iteration_saved_not_the_moment_it_was_finaliz
     save_dir, seen = killed
     lr_at = seen["finalized"]["lr_at"]
     for iteration in (2, 3):
-        m = _manifest(save_dir, iteration)
+        m = saved_manifest(save_dir, iteration)
         assert m["train_state"]["iteration"] == iteration
         assert m["train_state"]["samples_read"] == 4 * iteration
         assert m["expectation"]["next_batch"]["ids"] == list(range(4 * iteration, 4 * iteration + 4))
@@ -85,7 +81,7 @@ def test_the_manifest_lists_the_complete_files_and_verify_checks_their_checksums
     save_dir, _ = killed
     for iteration in (2, 3):
         d = os.path.join(save_dir, f"iter_{iteration:07d}")
-        listed = set(_manifest(save_dir, iteration)["files"])
+        listed = set(saved_manifest(save_dir, iteration)["files"])
         assert listed == set(os.listdir(d)) - {"resume-manifest.json"}
         assert {".metadata", "metadata.json", "__0_0.distcp"} <= listed
     proc = resume("verify", "--deep", save_dir)
@@ -123,7 +119,7 @@ def test_restart_loads_the_last_finalized_save_and_commits_its_own_at_the_end(ki
     assert out["loaded"] == 3 and out["iteration"] == 3  # continuity checked: counters, LR, batch, RNG
     assert out["consumed"] == 5 * 4
     assert not out["before_finalize"]["manifest"] and out["after_finalize"]["committed"] == [2, 3, 5]
-    assert _manifest(copy, 5)["train_state"]["iteration"] == 5
+    assert saved_manifest(copy, 5)["train_state"]["iteration"] == 5
     proc = resume("verify", "--deep", copy)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

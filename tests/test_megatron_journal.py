@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 from support.cli import assert_one_line_error, resume
-from support.megatron import require_megatron
+from support.megatron import require_megatron, saved_manifest
 
 # The record's own rules run anywhere; the tests through Megatron's train() are marked megatron
 # (they skip without megatron-core, which .ci/run's fresh-machine step checks).
@@ -124,11 +124,6 @@ def _flags(save_dir: str, *extra: str) -> list[str]:
     return argv_for(save_dir, ITERATIONS, SAVE_INTERVAL, (*NO_DROPOUT, *extra))
 
 
-def _manifest(save_dir: str, iteration: int) -> dict:
-    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
-        return json.load(f)
-
-
 def _journal(save_dir: str) -> dict[str, dict]:
     proc = resume("journal", save_dir, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -176,10 +171,10 @@ def test_train_records_every_iteration_and_each_save_seals_them(journaled):
         else:  # the overflow: no update applied, no norm
             assert "lr" not in r and "grad_norm" not in r
     # The LR recorded is the one each update applied: what the save at 4 promised for 5 and 6.
-    promised = _manifest(save_dir, 4)["expectation"]["lr_ahead"]
+    promised = saved_manifest(save_dir, 4)["expectation"]["lr_ahead"]
     assert [records[4]["lr"], records[5]["lr"]] == promised[:2]
 
-    first, second = _manifest(save_dir, 4)["journal"], _manifest(save_dir, 8)["journal"]
+    first, second = saved_manifest(save_dir, 4)["journal"], saved_manifest(save_dir, 8)["journal"]
     assert (first["step"], first["records"], first["first"]) == (4, 4, 1)
     assert (second["step"], second["records"], second["first"]) == (8, 4, 5)
     for entry in (first, second):
@@ -203,7 +198,7 @@ def test_with_async_save_each_commit_at_megatron_finalize_seals_the_records_up_t
     out = run_to_end(tmp, "async", save_dir=save_dir, extra=_flags(save_dir, "--async-save"))
     assert out["last_committed"] == ITERATIONS, out
     assert [r["it"] for r in _journal(save_dir)["main"]["records"]] == list(range(1, ITERATIONS + 1))
-    entries = [_manifest(save_dir, step)["journal"] for step in (4, 8)]
+    entries = [saved_manifest(save_dir, step)["journal"] for step in (4, 8)]
     assert [(e["step"], e["first"], e["records"]) for e in entries] == [(4, 1, 4), (8, 5, 4)]
 
 
@@ -237,7 +232,7 @@ def test_a_rewind_without_a_skip_resumes_at_its_target_and_carries_the_rewind(jo
     assert (resumed["loaded"], resumed["start_iteration"], resumed["iteration"]) == (4, 4, ITERATIONS)
     assert resumed["losses"] == {k: v for k, v in reference["losses"].items() if int(k) >= 4}
     assert resumed["params"] == reference["params"]
-    (carried,) = _manifest(save_dir, 8)["rewinds"]
+    (carried,) = saved_manifest(save_dir, 8)["rewinds"]
     assert (carried["n"], carried["to"], carried["from"], carried["reason"]) == (1, 4, 8, "spike at 5")
 
     branches = _journal(save_dir)
@@ -245,8 +240,8 @@ def test_a_rewind_without_a_skip_resumes_at_its_target_and_carries_the_rewind(jo
     main, abandoned = branches["main"]["records"], branches["rewind 1"]["records"]
     assert [r["it"] for r in main] == list(range(1, 9)) and [r["it"] for r in abandoned] == [5, 6, 7, 8]
     assert main[4:] == abandoned  # the same updates again: nothing changed but the run's history
-    with open(os.path.join(save_dir, _manifest(save_dir, 8)["journal"]["segment"]), "rb") as f:
-        assert json.loads(f.readline())["prev"] == _manifest(save_dir, 4)["journal"]
+    with open(os.path.join(save_dir, saved_manifest(save_dir, 8)["journal"]["segment"]), "rb") as f:
+        assert json.loads(f.readline())["prev"] == saved_manifest(save_dir, 4)["journal"]
 
 
 @pytest.mark.megatron
@@ -269,4 +264,4 @@ def test_a_rewind_accepting_the_decay_length_resumes_on_the_new_schedule(journal
     branches = _journal(save_dir)
     main, abandoned = branches["main"]["records"][4:], branches["rewind 1"]["records"]
     assert all(new["lr"][0] > old["lr"][0] for new, old in zip(main, abandoned, strict=True))
-    assert _manifest(save_dir, 8)["rewinds"][0]["accept"] == ["lr_decay_steps"]
+    assert saved_manifest(save_dir, 8)["rewinds"][0]["accept"] == ["lr_decay_steps"]

@@ -6,12 +6,11 @@ refuses a restart whose scaler does not."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 
 import pytest
 from resume.adapters.megatron.restart import _check_loss_scale
 from support.cli import resume
+from support.megatron import saved_manifest
 from support.ranks import run_ranks
 
 from resume.errors import ContinuityError
@@ -80,11 +79,6 @@ def runs(tmp_path_factory):
     return {"whole": whole, "first": first, "stop": stop, "save_dir": save_dir}
 
 
-def _manifest(save_dir: str, iteration: int) -> dict:
-    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
-        return json.load(f)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.megatron
 def test_a_restart_right_after_an_overflow_continues_the_scaler_weights_and_moments_bitwise(runs):
@@ -94,7 +88,7 @@ def test_a_restart_right_after_an_overflow_continues_the_scaler_weights_and_mome
     overflows = [i for i, (updated, _) in enumerate(whole["trace"]) if not updated]
     assert overflows[0] == 0 and stop - 1 in overflows  # real fp16 overflows, the last one right before the save
 
-    manifest = _manifest(runs["save_dir"], stop)
+    manifest = saved_manifest(runs["save_dir"], stop)
     assert manifest["expectation"]["megatron"]["loss_scale"] == whole["trace"][stop - 1][1]
     state, skipped = manifest["train_state"], len([i for i in overflows if i < stop])
     assert (state["updates_successful"], state["updates_skipped"]) == (stop - skipped, skipped)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 from support.checkpoints import flip_byte, plant_metadata_pickle
+from support.megatron import saved_manifest
 from support.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron]
@@ -40,16 +41,11 @@ def trained(megatron_save):
     return megatron_save
 
 
-def _manifest(save_dir: str, iteration: int) -> dict:
-    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
-        return json.load(f)
-
-
 def test_each_megatron_save_gets_a_manifest_with_the_three_counters(trained):
     save_dir, result = trained
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "6"
-    first, second = _manifest(save_dir, 4), _manifest(save_dir, 6)
+    first, second = saved_manifest(save_dir, 4), saved_manifest(save_dir, 6)
     # One overflow skip by iteration 4: successful = iteration - 1.
     assert (first["train_state"]["iteration"], first["train_state"]["updates_successful"],
             first["train_state"]["updates_skipped"]) == (4, 3, 1)
@@ -77,7 +73,7 @@ def test_changed_lr_decay_samples_is_a_continuity_error_naming_both_lrs(trained)
     out = run_ranks(_resume, 1, save_dir, ["--lr-decay-samples", "480"])[0]
     err = out["error"]
     assert err["item"] == "lr_ahead[+0]"
-    recorded = _manifest(save_dir, 6)["expectation"]["megatron"]["lr_schedule_ahead"][0]
+    recorded = saved_manifest(save_dir, 6)["expectation"]["megatron"]["lr_schedule_ahead"][0]
     assert err["expected"] == recorded and err["actual"] != recorded
     assert str(recorded) in err["message"] and str(err["actual"]) in err["message"]
 

@@ -6,12 +6,12 @@ source refused before anything loads."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 
 import pytest
 from support.checkpoints import flip_byte
+from support.megatron import saved_manifest
 from support.ranks import run_ranks
 
 from resume.checksum import checksum_bytes
@@ -48,11 +48,6 @@ def _job(rank: int, world: int, save_dir: str, pretrained: str | None, until: in
     return {"start": start, "loaded": loaded, "origin": recorder.origin}
 
 
-def _manifest(save_dir: str, iteration: int) -> dict:
-    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
-        return json.load(f)
-
-
 def test_a_run_warm_started_from_a_pretrained_megatron_save_records_it_and_restarts_on_its_own(
         megatron_save, tmp_path):
     source = str(tmp_path / "A")
@@ -65,17 +60,17 @@ def test_a_run_warm_started_from_a_pretrained_megatron_save_records_it_and_resta
     first = run_ranks(_job, 1, b, source, 2)[0]
     assert "error" not in first, first
     assert first["start"] == 0 and first["loaded"] == a_weights  # --finetune: A's weights, iteration 0
-    origin = _manifest(b, 2)["origin"]
+    origin = saved_manifest(b, 2)["origin"]
     assert (origin["source"], origin["step"], origin["manifest_checksum"], origin["kind"]) == (
         source, 6, checksum, "checkpoint")
     assert origin["through"] == "--pretrained-checkpoint"
-    assert _manifest(b, 2)["train_state"]["iteration"] == 2
+    assert saved_manifest(b, 2)["train_state"]["iteration"] == 2
 
     shutil.rmtree(source)  # the source is gone: B restarts from its own save
     second = run_ranks(_job, 1, b, source, 3)[0]
     assert "error" not in second, second
     assert second["start"] == 2 and second["origin"] == origin
-    assert _manifest(b, 3)["origin"] == origin
+    assert saved_manifest(b, 3)["origin"] == origin
 
 
 def test_a_damaged_pretrained_save_is_refused_before_megatron_loads_it(megatron_save, tmp_path):

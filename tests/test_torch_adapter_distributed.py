@@ -17,6 +17,7 @@ from support.checkpoints import drop_index, plant_metadata_pickle
 from support.ranks import run_ranks
 from support.workloads import (
     CFG,
+    ListData,
     Setup,
     build,
     moment_digests,
@@ -119,23 +120,8 @@ def fsdp2_round_trip(rank: int, world: int, tmp: str, async_save: bool = False) 
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        data = [{"ids": torch.tensor([i]), "x": torch.full((1, 8), float(i))} for i in range(100)]
-
-        class Data:
-            pos = 0
-
-            def state_dict(self):
-                return {"pos": self.pos}
-
-            def load_state_dict(self, s):
-                self.pos = s["pos"]
-
-            def __iter__(self):
-                while self.pos < len(data):
-                    self.pos += 1
-                    yield data[self.pos - 1]
-
-        adapter = NativeTorchAdapter(model, opt, [], Data())
+        data = ListData([{"ids": torch.tensor([i]), "x": torch.full((1, 8), float(i))} for i in range(100)])
+        adapter = NativeTorchAdapter(model, opt, [], data)
         return Coordinator(f"{tmp}/run", adapter, global_batch=world, every=3,
                            handle_signals=False, async_save=async_save), model, opt
 

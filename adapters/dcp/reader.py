@@ -219,22 +219,27 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
             planner.commit_tensor(req, target)
             return
         cap = self._expected_bytes(req)
-        item = self._item(stream, req, cap, where, segments)
-        check_archive(item, cap, where)
-        item.seek(0)
-        try:
-            tensor = torch.load(item, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"{where}: pickle: expected tensor data only, actual {pickle_refusal(e)} (refused, nothing run)") from e
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptCheckpointError(f"{where}: expected a tensor, actual {type(tensor).__name__}")
+        tensor = _load_tensor(self._item(stream, req, cap, where, segments), cap, where)
         tensor = narrow(tensor, req.storage_offsets, req.lengths)
         if target.size() != tensor.size():
             raise CorruptCheckpointError(f"{where}: size: expected {tuple(target.size())}, "
                                          f"actual {short(tuple(tensor.size()))}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _load_tensor(item, cap: int, where: str) -> torch.Tensor:
+    """A torch.save'd tensor, its archive checked first (``check_archive``), loaded weights-only."""
+    check_archive(item, cap, where)
+    item.seek(0)
+    try:
+        tensor = torch.load(item, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{where}: pickle: expected tensor data only, actual {pickle_refusal(e)} (refused, nothing run)") from e
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}: expected a tensor, actual {type(tensor).__name__}")
+    return tensor
 
 
 def _drop_read(stream, info) -> None:
@@ -455,21 +460,14 @@ def decode_chunk(item: bytes | bytearray | memoryview, dtype: torch.dtype, sizes
     if found is not None and _matches_shape(found[0], found[2], dtype, sizes):
         start = found[1]
         return torch.frombuffer(memoryview(item)[start:start + expected], dtype=torch.uint8).view(dtype).reshape(sizes)
-    window.seek(0)
-    check_archive(window, expected + ZIP_FRAMING, where)
-    window.seek(0)
     try:
-        tensor = torch.load(window, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
-            f"{where}: pickle: expected tensor data only, actual {pickle_refusal(e)} (refused, nothing run)") from e
+        tensor = _load_tensor(window, expected + ZIP_FRAMING, where)
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise CorruptCheckpointError(f"{where}: expected a stored tensor, actual {type(e).__name__}: "
                                      f"{clip(str(e))}") from e
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
-        actual = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
-                  else type(tensor).__name__)
-        raise CorruptCheckpointError(f"{where}: expected a tensor {dtype} {tuple(sizes)}, actual {short(actual)}")
+    if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
+        raise CorruptCheckpointError(f"{where}: expected a tensor {dtype} {tuple(sizes)}, actual "
+                                     f"{tensor.dtype} {short(tuple(tensor.shape))}")
     return tensor
 
 

@@ -85,3 +85,11 @@ def stub_optimizer(n_groups: int = 2) -> types.SimpleNamespace:
     """What OptimizerParamScheduler needs of an optimizer: param groups (Megatron's optimizer
     itself does not build on CPU, notes/megatron.md)."""
     return types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0} for _ in range(n_groups)])
+
+
+def saved_manifest(save_dir: str, iteration: int) -> dict:
+    """Our manifest beside Megatron's save of ``iteration``, as JSON."""
+    import json
+
+    with open(os.path.join(save_dir, f"iter_{iteration:07d}", "resume-manifest.json")) as f:
+        return json.load(f)

@@ -44,6 +44,24 @@ class Setup:
     warm_start: str | None = None
 
 
+class ListData:
+    """The smallest stateful loader: a list of batches and a position in it."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.pos = batches, 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+    def __iter__(self):
+        while self.pos < len(self.batches):
+            self.pos += 1
+            yield self.batches[self.pos - 1]
+
+
 class StatelessLoader:
     """A loader without state_dict, like a plain DataLoader: restarts at its epoch start."""
 
