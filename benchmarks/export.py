@@ -6,7 +6,10 @@
 The checkpoint: save_path.py's state (``LAYERS`` fp32 ``nn.Linear(w, w)`` whose weights and AdamW
 moments total ``--gib``), one real optimizer step, ``Coordinator.save()`` (``NativeTorchAdapter``,
 one process, ``LocalComm``) and ``close()``: one committed step, whose data files (``*.distcp``)
-hold ``checkpoint_bytes``; beside them the index the export reads (``index.resume``).
+hold ``checkpoint_bytes``; beside them the index the export reads (``index.resume``). The files
+are then read once, not timed: on a virtual disk the first read after a write can come from the
+device and later ones from the host's cache, which no drop in the guest reaches (here: 4.5 s,
+then 1 s, for 2 GiB), so every timed side finds the same.
 Each run times five sides, in the order read, export part=all, read+hash, export part=model, copy
 (reversed in odd runs), each after ``--pause`` seconds and ``sync``, with the page cache dropped
 (all of it when ``/proc/sys/vm/drop_caches`` is writable, else the run's own pages with
@@ -31,14 +34,16 @@ is "dropped", or "warm" when a drop left more than a tenth of its pages in memor
 After each export (not timed), its output is checked: every file its record lists is there with that
 size and xxh3 checksum, the index maps every tensor to its shard, and every tensor (model weights,
 and for part=all the AdamW moments and steps) equals the live state's bitwise.
-Throughput is ``checkpoint_bytes`` (the export's ``bytes_read``: each data file read once) over the
-median seconds; both sides also read the index. ``export_vs_read`` = export part=all throughput /
+Throughput is ``checkpoint_bytes`` (the export's ``bytes_read`` less the index: each data file read
+once) over the median seconds; both sides also read the index. ``export_vs_read`` = export part=all throughput /
 plain read throughput (= ``read_s / export_all_s``; goal >= 0.8), ``export_model_vs_read`` likewise,
 ``export_all_vs_copy`` = ``copy_s / export_all_s``. ``peak_rss_bytes``: the most any export grew
 by (over both parts and every run); ``peak_vs_largest_tensor`` it over the largest tensor's bytes
 (goal <= 3; ``model_bytes`` and ``state_bytes`` beside it: memory does not follow the model). The
 last line with ``--json`` is one JSON object; ``per_run`` holds each run's figures and order.
-``--profile N`` adds a cProfile (top N by own time) of one more export part=all in this process.
+Each side's CPU seconds (user, system) and minor page faults are reported beside its time (the
+export's in its process, around the call). ``--profile N`` adds a cProfile (top N by own time) of
+one more export part=all in this process.
 """
 
 from __future__ import annotations
@@ -226,6 +231,7 @@ def read_files(files: dict[str, str], *, hashed: bool, copy_to: str | None = Non
 def child(run_dir: str, out: str, part: str) -> None:
     """In a fresh process: the export's modules imported, the peak RSS noted, the export timed;
     one JSON line: its result, the seconds and the peak RSS before and after."""
+    # What the export imports lazily, imported before the baseline: its memory is not the export's.
     import resume.adapters.dcp.index
     import resume.adapters.dcp.reader
     import resume.adapters.dcp.unpickle
@@ -235,13 +241,13 @@ def child(run_dir: str, out: str, part: str) -> None:
     logging_quiet()
     gc.collect()
     reset = reset_peak_rss()
-    before = peak_rss_now()
+    before, cpu = peak_rss_now(), cpu_now()
     started = time.perf_counter()
     result = export_checkpoint(run_dir, out, selection=Selection(part=part))
     seconds = time.perf_counter() - started
-    after = peak_rss_now()
-    print(json.dumps({**result.to_dict(), "seconds": seconds, "rss_after_imports": before, "rss_peak": after,
-                      "rss_peak_reset": reset}))
+    cpu_used, after = cpu_since(cpu), peak_rss_now()
+    print(json.dumps({**result.to_dict(), "seconds": seconds, "cpu": cpu_used, "rss_after_imports": before,
+                      "rss_peak": after, "rss_peak_reset": reset}))
 
 
 def reset_peak_rss() -> bool:
@@ -310,7 +316,7 @@ def verify_export(result: dict, part: str, ck: Checkpoint) -> None:
         assert all(weight_map[name] == shard for name in digests), shard
         found.update(digests)
     assert found == ck.expected[part], f"part={part}: the exported tensors differ from the live state's"
-    assert result["bytes_read"] == ck.checkpoint_bytes, (result["bytes_read"], ck.checkpoint_bytes)
+    assert result["bytes_read"] == ck.checkpoint_bytes + ck.index_bytes, (result["bytes_read"], ck.checkpoint_bytes)
     assert result["tensors"] == len(ck.expected[part]) and not result["rereads"], result
 
 
@@ -320,6 +326,7 @@ def run_once(ck: Checkpoint, root: str, cache: Cache, *, index: int, pause: floa
     """The five sides, pages dropped before each; the seconds, each export's result and peak RSS."""
     order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
     seconds: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}
     exports: dict[str, dict] = {}
     resident = []
     for side in order:
@@ -330,19 +337,31 @@ def run_once(ck: Checkpoint, root: str, cache: Cache, *, index: int, pause: floa
             shutil.rmtree(out, ignore_errors=True)
             resident.append(cache.drop(ck.run_dir))
             result = export_in_child(ck.run_dir, out, part)
-            seconds[side] = result["seconds"]
+            seconds[side], cpu[side] = result["seconds"], result["cpu"]
             verify_export(result, part, ck)
             exports[part] = result
             continue
         target = os.path.join(root, "copy") if side == "copy" else None
         resident.append(cache.drop(ck.run_dir))
-        started = time.perf_counter()
+        before, started = cpu_now(), time.perf_counter()
         n = read_files(ck.files, hashed=side != "read", copy_to=target)
-        seconds[side] = time.perf_counter() - started
+        seconds[side], cpu[side] = time.perf_counter() - started, cpu_since(before)
         assert n == ck.checkpoint_bytes + ck.index_bytes, (side, n)
         if target:
             os.remove(target)
-    return {"order": list(order), "seconds": seconds, "exports": exports, "resident_after_drop": max(resident)}
+    return {"order": list(order), "seconds": seconds, "cpu": cpu, "exports": exports,
+            "resident_after_drop": max(resident)}
+
+
+def cpu_now() -> resource.struct_rusage:
+    return resource.getrusage(resource.RUSAGE_SELF)
+
+
+def cpu_since(before: resource.struct_rusage) -> dict[str, float]:
+    """This process's CPU seconds (user, system) and minor page faults since ``before``."""
+    now = cpu_now()
+    return {"user_s": round(now.ru_utime - before.ru_utime, 3), "sys_s": round(now.ru_stime - before.ru_stime, 3),
+            "minor_faults": now.ru_minflt - before.ru_minflt}
 
 
 def profile(ck: Checkpoint, root: str, cache: Cache, top: int) -> None:
@@ -371,7 +390,7 @@ def profile(ck: Checkpoint, root: str, cache: Cache, top: int) -> None:
 
 def run_figures(run: dict, ck: Checkpoint) -> dict:
     s = run["seconds"]
-    return {"order": run["order"], **{f"{k}_s": round(v, 4) for k, v in s.items()},
+    return {"order": run["order"], **{f"{k}_s": round(v, 4) for k, v in s.items()}, "cpu": run["cpu"],
             "export_vs_read": round(s["read"] / s["export_all"], 3),
             "export_model_vs_read": round(s["read"] / s["export_model"], 3),
             "peak_rss_model_bytes": peak_rss(run["exports"]["model"]),
@@ -386,6 +405,8 @@ def peak_rss(result: dict) -> int:
 def summarize(runs: list[dict], ck: Checkpoint, cache: Cache) -> dict:
     med = {side: statistics.median(r["seconds"][side] for r in runs) for side in SIDES}
     mib_s = {side: ck.checkpoint_bytes / med[side] / (1 << 20) for side in SIDES}
+    cpu = {side: {k: statistics.median(r["cpu"][side][k] for r in runs) for k in runs[0]["cpu"][side]}
+           for side in SIDES}
     peaks = {part: max(peak_rss(r["exports"][part]) for r in runs) for part in ("model", "all")}
     peak = max(peaks.values())
     last = runs[-1]["exports"]
@@ -394,7 +415,7 @@ def summarize(runs: list[dict], ck: Checkpoint, cache: Cache) -> dict:
         "model_bytes": ck.model_bytes, "state_bytes": ck.state_bytes,
         "largest_tensor_bytes": ck.largest_tensor_bytes, "checkpoint_bytes": ck.checkpoint_bytes,
         "index_bytes": ck.index_bytes, **{f"{side}_s": med[side] for side in SIDES},
-        "mib_s": mib_s, "export_vs_read": med["read"] / med["export_all"],
+        "mib_s": mib_s, "cpu": cpu, "export_vs_read": med["read"] / med["export_all"],
         "export_model_vs_read": med["read"] / med["export_model"],
         "read_hash_vs_read": med["read"] / med["read_hash"], "export_all_vs_copy": med["copy"] / med["export_all"],
         "peak_rss_bytes": peak, "peak_rss_model_bytes": peaks["model"], "peak_rss_all_bytes": peaks["all"],
@@ -415,13 +436,15 @@ def summarize(runs: list[dict], ck: Checkpoint, cache: Cache) -> dict:
 def print_tables(f: dict) -> None:
     mib = 1 << 20
     print(f"| {f['runs']} runs, medians, page cache {f['cache']} ({f['cache_drop']}) | seconds | MiB/s | "
-          "vs read |\n|---|---:|---:|---:|")
+          "vs read | CPU user s | CPU sys s | minor faults |\n|---|---:|---:|---:|---:|---:|---:|")
     rows = [("read (cat > /dev/null: readinto 16 MiB)", "read"), ("read + xxh3 (verification alone)", "read_hash"),
             ("read + xxh3 + write + fsync (a verified cp)", "copy"),
             (f"export part=model (writes {f['exports']['model']['bytes_written'] / mib:.0f} MiB)", "export_model"),
             (f"export part=all (writes {f['exports']['all']['bytes_written'] / mib:.0f} MiB)", "export_all")]
     for label, side in rows:
-        print(f"| {label} | {f[side + '_s']:.3f} | {f['mib_s'][side]:.0f} | {f['read_s'] / f[side + '_s']:.2f} |")
+        c = f["cpu"][side]
+        print(f"| {label} | {f[side + '_s']:.3f} | {f['mib_s'][side]:.0f} | {f['read_s'] / f[side + '_s']:.2f} | "
+              f"{c['user_s']:.2f} | {c['sys_s']:.2f} | {c['minor_faults']:.0f} |")
     print(f"\n| memory | MiB |\n|---|---:|\n| largest tensor | {f['largest_tensor_bytes'] / mib:.1f} |\n"
           f"| model (weights) | {f['model_bytes'] / mib:.1f} |\n| state (weights + AdamW moments) | "
           f"{f['state_bytes'] / mib:.1f} |\n| export part=model: peak RSS growth | {f['peak_rss_model_bytes'] / mib:.1f} |\n"
@@ -477,6 +500,7 @@ def main() -> None:
         cache = Cache(args.drop, max(ck.files, key=os.path.getsize))
         print(f"checkpoint {ck.checkpoint_bytes / (1 << 30):.3f} GiB: {LAYERS} x Linear({ck.width}, {ck.width}) "
               f"fp32 + AdamW moments; page cache dropped by {cache.pages.mode}", file=sys.stderr, flush=True)
+        read_files(ck.files, hashed=False)  # not timed: every side reads what the host's cache holds then
         runs = []
         for i in range(args.runs):
             runs.append(run_once(ck, root, cache, index=i, pause=args.pause))

@@ -46,8 +46,8 @@ from resume.checksum import ALGORITHM
 
 from .plan_cache import plain_metadata
 
-__all__ = ["ChecksummingFileSystem", "RetryingFsspecFileSystem", "StepWriter", "make_reader", "make_writer",
-           "without_torch_crc32", "writeback_supported"]
+__all__ = ["ChecksummingFileSystem", "HashingSink", "RetryingFsspecFileSystem", "StepWriter", "make_reader",
+           "make_writer", "without_torch_crc32", "writeback_supported"]
 
 log = logging.getLogger("resume")
 
@@ -137,6 +137,11 @@ class _HashingSink(io.RawIOBase):
     @property
     def checksum(self) -> str | None:
         return f"{ALGORITHM}:{self.hash.hexdigest()}" if self.hash is not None else None
+
+
+HashingSink = _HashingSink
+"""For other writers of large files (``resume export``): hashed while written, written back and
+dropped from the page cache behind the writer."""
 
 
 class ChecksummingFileSystem(_fs.FileSystem):

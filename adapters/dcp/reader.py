@@ -453,7 +453,7 @@ def decode_chunk(item: bytes | bytearray | memoryview, dtype: torch.dtype, sizes
         from torch.distributed.checkpoint._extension import ZStandard
 
         item = read_capped(ZStandard().transform_from(io.BytesIO(item)), expected + ZIP_FRAMING, where)
-    window = Window(io.BytesIO(item), 0, len(item))
+    window = Window(_BytesView(item), 0, len(item))  # not io.BytesIO: that would copy the chunk
     if not expected:
         return torch.empty(sizes, dtype=dtype)
     found = _stored_record(window)
@@ -473,6 +473,32 @@ def decode_chunk(item: bytes | bytearray | memoryview, dtype: torch.dtype, sizes
 
 def _matches_shape(args: tuple, data: zipfile.ZipInfo, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
     return _matches(args, data, _Shape(dtype, tuple(sizes)))
+
+
+class _BytesView(io.RawIOBase):
+    """A seekable, read-only file over a buffer, without copying it."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self.view, self.pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: 0, 1: self.pos, 2: len(self.view)}[whence] + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
 
 
 class _Shape:

@@ -7,8 +7,8 @@ in sharded safetensors or torch files, for evaluation and serving (imported as
   ``.metadata``) is checked against its checksum and parsed by the restore's own parsers.
 - Native checkpoints (DTensor / FSDP2 shards put together into whole tensors) and Megatron-Core
   ``torch_dist`` saves (the model's sharded tensors as global tensors under their keys).
-- Streaming: one tensor at a time (``writing``): peak memory is about twice the largest tensor
-  plus one chunk, not the model.
+- Streaming: one tensor at a time (``writing``), each chunk read into one reused buffer: peak
+  memory is about the largest chunk plus the tensor being put together (or cast), not the model.
 - The output is written under a temporary name beside ``out`` and moved into place at the end,
   with its record (``RECORD``: source, step, manifest checksum, selection, dtype, every output
   file's size and checksum); a failure leaves nothing under ``out``.
@@ -68,6 +68,8 @@ class _Source:
     step_dir: str
     entries: list[TensorEntry]
     megatron: bool
+    index_bytes: int
+    """The index's size (read and verified before the data files)."""
 
 
 def _committed(run: Run, step: int | None) -> tuple[Manifest, str]:
@@ -122,7 +124,7 @@ def read_entries(run_url: str, step: int | None = None) -> _Source:
         raise CorruptCheckpointError(f"{source}: expected {INDEX_FILE} or .metadata among the manifest's files, "
                                      "actual neither (not a DCP checkpoint)")
     return _Source(run, manifest, manifest_checksum, run.dirname(manifest.step), entries,
-                   manifest.adapter.startswith("megatron"))
+                   manifest.adapter.startswith("megatron"), len(data))
 
 
 def _target_dtype(entry: TensorEntry, dtype: str) -> torch.dtype:
@@ -186,11 +188,30 @@ def export_checkpoint(run_url: str, out: str, *, step: int | None = None, fmt: s
                         plan.rereads)
 
 
+def _pipeline(entries: list[TensorEntry], files: DataFiles, writer: ExportWriter, dtype: str) -> None:
+    """Each tensor read (one thread) while the one before it is put together and written (this
+    one): the export takes about the longer of reading and writing, not their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not entries:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="resume-export-read") as pool:
+        ahead = pool.submit(files.read_chunks, entries[0])
+        for i, entry in enumerate(entries):
+            raws = ahead.result()
+            if i + 1 < len(entries):
+                ahead = pool.submit(files.read_chunks, entries[i + 1])
+            tensor = files.assemble(entry, raws)
+            to = _target_dtype(entry, dtype)
+            writer.add(entry.name, tensor if tensor.dtype == to else tensor.to(to))
+            del tensor, raws
+
+
 def _write(src: _Source, plan: Any, shards: list, fmt: str, dtype: str, selection: Selection,
            metadata: dict, tmp: str, progress: Callable[[int, int], None] | None) -> dict:
-    done = [0]
+    done = [src.index_bytes]
     files = DataFiles(src.run.storage, src.step_dir, src.manifest, plan)
-    total = files.total_bytes() + sum(files.files[r].size for r in plan.rereads)
+    total = src.index_bytes + files.total_bytes() + sum(files.files[r].size for r in plan.rereads)
 
     def advance(n: int) -> None:
         done[0] += n
@@ -201,12 +222,7 @@ def _write(src: _Source, plan: Any, shards: list, fmt: str, dtype: str, selectio
     try:
         files.verify_rereads()
         advance(sum(files.files[r].size for r in plan.rereads))
-        where = src.run.storage.url(src.step_dir)
-        for entry in plan.entries:
-            tensor = files.read_tensor(entry, where)
-            to = _target_dtype(entry, dtype)
-            writer.add(entry.name, tensor if tensor.dtype == to else tensor.to(to))
-            del tensor
+        _pipeline(plan.entries, files, writer, dtype)
         problems = files.finish()
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

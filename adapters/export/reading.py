@@ -8,8 +8,9 @@ with the manifest: an export is published only after every file verified. A file
 the export would need out of order is hashed whole first and then read where needed (its bytes
 are read twice; ``Plan.rereads`` names such files).
 
-Memory: one chunk's bytes at a time (a chunk is at most its tensor), the tensor being put
-together, and a 16 MiB buffer for the bytes skipped.
+Memory: two buffers the chunks are read into, used in turn (one tensor read while the one before
+it is written; each as large as the largest tensor's stored bytes), the tensor being put together
+from several chunks, and a 16 MiB buffer for the bytes skipped.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ class _File:
             self.stream.close()
             self.stream = None
 
-    def read(self, offset: int, length: int) -> bytearray:
+    def read(self, offset: int, length: int, buf: memoryview) -> memoryview:
         """``length`` bytes at ``offset`` (not before the position, unless the file was verified
-        whole first), the bytes skipped on the way hashed."""
+        whole first), read into ``buf`` (at least that long; buffers reused from tensor to tensor:
+        no fresh memory to fault in); the bytes skipped on the way hashed."""
         stream = self.open()
         if self.hash is None:
             stream.seek(offset)
@@ -93,8 +95,7 @@ class _File:
         elif offset < self.pos:
             raise AssertionError(f"{self.url}: read at {offset} behind {self.pos}")  # plan_reads prevents it
         self._skip_to(offset)
-        buf = bytearray(length)
-        view, filled = memoryview(buf), 0
+        view, filled = buf[:length], 0
         while filled < length:
             n = stream.readinto(view[filled:])
             if not n:
@@ -102,9 +103,9 @@ class _File:
                                              f"(an item ends there), actual {offset + filled}")
             filled += n
         if self.hash is not None:
-            self.hash.update(buf)
+            self.hash.update(view)
         self.pos = offset + length
-        return buf
+        return view
 
     def _skip_to(self, offset: int) -> None:
         stream = self.stream
@@ -142,6 +143,7 @@ class DataFiles:
         self.storage, self.step_dir, self.manifest = storage, step_dir, manifest
         self.progress = progress
         self.files: dict[str, _File] = {}
+        self._bufs, self._slot = [bytearray(), bytearray()], 0
         self._open: list[str] = []
         self._rereads = set(plan.rereads)
         for rel in sorted({c.file for e in plan.entries for c in e.chunks} | self._data_files()):
@@ -169,16 +171,30 @@ class DataFiles:
                 raise CorruptCheckpointError(f"{self.storage.url(path)}: checksum: expected {entry.checksum} "
                                              f"({entry.size} bytes), actual {checksum} ({size} bytes)")
 
-    def read_tensor(self, entry: TensorEntry, source: str) -> torch.Tensor:
-        """The whole tensor, put together from its chunks (one chunk: that tensor itself)."""
+    def read_chunks(self, entry: TensorEntry) -> list[memoryview]:
+        """The stored bytes of each of the tensor's chunks (file and offset order), read into the
+        next of two buffers used in turn: valid until the call after next, so that one tensor is
+        read while the one before it is written (``assemble``)."""
+        chunks = sorted(entry.chunks, key=lambda c: (c.file, c.offset))
+        slot = self._slot = 1 - self._slot
+        need = sum(c.length for c in chunks)
+        if len(self._bufs[slot]) < need:
+            self._bufs[slot] = bytearray(need)
+        view, at, out = memoryview(self._bufs[slot]), 0, []
+        for c in chunks:
+            out.append(self._read(c.file, c.offset, c.length, view[at:at + c.length]))
+            at += c.length
+        return out
+
+    def assemble(self, entry: TensorEntry, raws: list[memoryview]) -> torch.Tensor:
+        """The whole tensor from its chunks' bytes (one chunk: a view of them)."""
         from ..dcp.reader import decode_chunk
 
         full = None
-        for chunk in sorted(entry.chunks, key=lambda c: (c.file, c.offset)):
-            buf = self._read(chunk.file, chunk.offset, chunk.length)
+        for chunk, raw in zip(sorted(entry.chunks, key=lambda c: (c.file, c.offset)), raws):
             where = f"{self.files[chunk.file].url}: {short(entry.key, 120)}"
             try:
-                part = decode_chunk(buf, entry.dtype, chunk.sizes, where, zstd=chunk.zstd)
+                part = decode_chunk(raw, entry.dtype, chunk.sizes, where, zstd=chunk.zstd)
             except (CorruptCheckpointError, StorageError):
                 raise
             except Exception as e:
@@ -194,14 +210,14 @@ class DataFiles:
             box.copy_(part)
         return full if full is not None else torch.empty(entry.shape, dtype=entry.dtype)
 
-    def _read(self, rel: str, offset: int, length: int) -> bytearray:
+    def _read(self, rel: str, offset: int, length: int, into: memoryview) -> memoryview:
         f = self.files[rel]
         if rel not in self._open:
             self._open.append(rel)
             if len(self._open) > _OPEN_CAP:
                 self.files[self._open.pop(0)].close()
         before = f.pos
-        buf = f.read(offset, length)
+        buf = f.read(offset, length, into)
         if self.progress is not None:
             self.progress(max(0, f.pos - before) if f.hash is not None else length)
         return buf

@@ -22,8 +22,6 @@ from typing import IO
 
 import torch
 
-from resume.checksum import ALGORITHM
-
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "ExportWriter", "Shard", "plan_shards"]
 
 FORMATS = ("safetensors", "torch")
@@ -83,27 +81,29 @@ def _safetensors_header(shard: Shard, metadata: dict[str, str]) -> bytes:
 
 
 class _HashingFile:
-    def __init__(self, path: str) -> None:
-        import xxhash
+    """A new output file, hashed while written, its writeback started behind the writer and its
+    pages dropped once on disk (``HashingSink``, as a save's shards are written)."""
 
-        self.f: IO[bytes] = open(path, "xb")  # noqa: SIM115 - closed by close()
-        self.hash = xxhash.xxh3_64()
-        self.size = 0
+    def __init__(self, path: str) -> None:
+        from ..dcp.filesystem import HashingSink
+
+        self.raw: IO[bytes] = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.sink = HashingSink(self.raw, writeback=True)
+
+    @property
+    def f(self) -> IO[bytes]:
+        return self.raw
 
     def write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        self.f.write(view)
-        self.hash.update(view)
-        self.size += len(view)
+        self.sink.write(memoryview(data).cast("B"))
 
     def flush(self) -> None:
-        self.f.flush()
+        pass
 
     def close(self) -> dict:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return {"size": self.size, "checksum": f"{ALGORITHM}:{self.hash.hexdigest()}"}
+        os.fdatasync(self.raw.fileno())
+        self.raw.close()
+        return {"size": self.sink.size, "checksum": self.sink.checksum}
 
 
 class ExportWriter:
@@ -128,8 +128,7 @@ class ExportWriter:
             if tensor.numel():
                 self._out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         else:
-            self._held[name] = tensor.contiguous().clone() if tensor.untyped_storage().nbytes() != \
-                tensor.numel() * tensor.element_size() else tensor.contiguous()
+            self._held[name] = tensor.clone(memory_format=torch.contiguous_format)  # the read buffer is reused
         self._at += 1
         if self._at == len(shard.names):
             self._close_shard()
