@@ -7,8 +7,9 @@ in sharded safetensors or torch files, for evaluation and serving (imported as
   ``.metadata``) is checked against its checksum and parsed by the restore's own parsers.
 - Native checkpoints (DTensor / FSDP2 shards put together into whole tensors) and Megatron-Core
   ``torch_dist`` saves (the model's sharded tensors as global tensors under their keys).
-- Streaming: one tensor at a time (``writing``), each chunk read into one reused buffer: peak
-  memory is about the largest chunk plus the tensor being put together (or cast), not the model.
+- Streaming: one tensor at a time (``writing``), read into two reused buffers in turn (the next
+  tensor is read while one is written): peak memory is about twice the largest tensor's stored
+  bytes plus the tensor being put together (or cast), not the model.
 - The output is written under a temporary name beside ``out`` and moved into place at the end,
   with its record (``RECORD``: source, step, manifest checksum, selection, dtype, every output
   file's size and checksum); a failure leaves nothing under ``out``.
@@ -188,23 +189,26 @@ def export_checkpoint(run_url: str, out: str, *, step: int | None = None, fmt: s
                         plan.rereads)
 
 
-def _pipeline(entries: list[TensorEntry], files: DataFiles, writer: ExportWriter, dtype: str) -> None:
+def _pipeline(entries: list[TensorEntry], files: DataFiles, writer: ExportWriter, dtype: str) -> list[str]:
     """Each tensor read (one thread) while the one before it is put together and written (this
-    one): the export takes about the longer of reading and writing, not their sum."""
+    one): the export takes about the longer of reading and writing, not their sum. The problems
+    ``files.finish()`` found (every file hashed to its end and compared)."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not entries:
-        return
+        return files.finish()
     with ThreadPoolExecutor(1, thread_name_prefix="resume-export-read") as pool:
         ahead = pool.submit(files.read_chunks, entries[0])
         for i, entry in enumerate(entries):
             raws = ahead.result()
-            if i + 1 < len(entries):
-                ahead = pool.submit(files.read_chunks, entries[i + 1])
+            # After the last tensor, the rest of every file is hashed while the last one is written.
+            ahead = pool.submit(files.read_chunks, entries[i + 1]) if i + 1 < len(entries) else \
+                pool.submit(files.finish)
             tensor = files.assemble(entry, raws)
             to = _target_dtype(entry, dtype)
             writer.add(entry.name, tensor if tensor.dtype == to else tensor.to(to))
             del tensor, raws
+        return ahead.result()
 
 
 def _write(src: _Source, plan: Any, shards: list, fmt: str, dtype: str, selection: Selection,
@@ -222,8 +226,7 @@ def _write(src: _Source, plan: Any, shards: list, fmt: str, dtype: str, selectio
     try:
         files.verify_rereads()
         advance(sum(files.files[r].size for r in plan.rereads))
-        _pipeline(plan.entries, files, writer, dtype)
-        problems = files.finish()
+        problems = _pipeline(plan.entries, files, writer, dtype)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise CorruptCheckpointError(f"{problems[0]}{more} (nothing exported)")

@@ -15,6 +15,7 @@ from several chunks, and a 16 MiB buffer for the bytes skipped.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
@@ -34,6 +35,17 @@ __all__ = ["DataFiles", "Plan", "plan_reads"]
 _SKIP_BLOCK = 16 << 20
 _OPEN_CAP = 64
 """Files held open at once; the others are reopened at their position when needed again."""
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch() -> bytearray:
+    """This thread's block for the bytes an export skips (hashed, not kept)."""
+    block = getattr(_SCRATCH, "block", None)
+    if block is None:
+        block = _SCRATCH.block = bytearray(_SKIP_BLOCK)
+    return block
 
 
 @dataclass
@@ -107,27 +119,26 @@ class _File:
         self.pos = offset + length
         return view
 
-    def _skip_to(self, offset: int) -> None:
+    def _skip_to(self, offset: int | None) -> None:
+        """Hash the bytes up to ``offset`` (None: the file's end), read into one reused block."""
         stream = self.stream
-        while self.pos < offset:
-            block = stream.read(min(_SKIP_BLOCK, offset - self.pos))
-            if not block:
+        block = memoryview(_scratch())
+        while offset is None or self.pos < offset:
+            n = stream.readinto(block[:_SKIP_BLOCK if offset is None else min(_SKIP_BLOCK, offset - self.pos)])
+            if not n:
+                if offset is None:
+                    return
                 raise CorruptCheckpointError(f"{self.url}: size: expected at least {offset} bytes, actual {self.pos}")
             if self.hash is not None:
-                self.hash.update(block)
-            self.pos += len(block)
+                self.hash.update(block[:n])
+            self.pos += n
 
     def finish(self) -> str | None:
         """The rest hashed; a problem in ``verify``'s words, or None."""
         if self.hash is None:
             return None
         self.open()
-        while True:
-            block = self.stream.read(_SKIP_BLOCK)
-            if not block:
-                break
-            self.hash.update(block)
-            self.pos += len(block)
+        self._skip_to(None)
         self.close()
         if self.pos != self.size:
             return f"{self.url}: size: expected {self.size} bytes, actual {self.pos}"
