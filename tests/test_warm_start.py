@@ -136,3 +136,48 @@ def test_from_an_export_and_a_damaged_export_refused(source, tmp_path):
     flip_byte(os.path.join(export, shard))
     message = _refused(str(tmp_path / "C"), export)
     assert shard in message and "checksum" in message
+
+
+def test_the_setting_and_the_environment_variable_parse():
+    from resume.warmstart import ENV, WarmStart
+
+    assert WarmStart.parse("s3://b/runs/pre@120000") == WarmStart("s3://b/runs/pre", 120000)
+    assert WarmStart.parse("/runs/user@host/pre") == WarmStart("/runs/user@host/pre")  # not a step
+    assert WarmStart.parse("  ") is None and WarmStart.parse(None) is None
+    assert WarmStart.from_env({ENV: "/runs/a@7"}) == WarmStart("/runs/a", 7)
+    assert WarmStart.from_env({}) is None
+    with pytest.raises(Exception, match="warm_start: expected a run URL"):
+        WarmStart.parse(7)
+
+
+@pytest.mark.parametrize("origin, field", [(["x"], "origin"), ({"step": "6"}, "origin.step"),
+                                           ({"source": 3}, "origin.source"), ({"loaded": "model"}, "origin.loaded")])
+def test_a_manifest_whose_origin_is_malformed_is_refused_naming_the_field(origin, field):
+    from resume.errors import ManifestError
+    from resume.manifest import Manifest
+    from resume.state import TrainState
+
+    body = json.loads(Manifest(step=1, train_state=TrainState(), files={"a": _entry()}).to_json())
+    body["origin"] = origin
+    with pytest.raises(ManifestError, match=f"{field}: expected"):
+        Manifest.from_json(json.dumps(body), source="m.json")
+
+
+def _entry():
+    from resume.manifest import FileEntry
+
+    return FileEntry(1, "xxh3:00")
+
+
+@pytest.mark.parametrize("record, needle", [
+    (b"not json", "expected JSON"),
+    (json.dumps({"files": []}).encode(), "files: expected an object"),
+    (json.dumps({"files": {"../../etc/passwd": {"size": 1, "checksum": "xxh3:0"}}}).encode(), "inside the step"),
+    (json.dumps({"files": {"model.safetensors": {"size": "1", "checksum": "x"}}}).encode(), "expected {size, checksum}"),
+])
+def test_a_hostile_export_record_is_refused_before_anything_is_read(tmp_path, record, needle):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "resume-export.json").write_bytes(record)
+    message = _refused(str(tmp_path / "B"), str(export))
+    assert needle in message
