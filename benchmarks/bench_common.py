@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 
-__all__ = ["drop_pages", "quiet", "settle", "timed"]
+__all__ = ["drop_pages", "profile_text", "quiet", "settle", "timed"]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -46,3 +46,17 @@ def drop_pages(path: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def profile_text(prof: object, top: int, sort: str, roots: list[str]) -> str:
+    """A cProfile's top ``top`` rows by ``sort``, from the column header on, with the ``roots``
+    (site-packages, the repository) taken off the file names."""
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)  # type: ignore[arg-type]
+    body = buf.getvalue()
+    body = body[body.find("   ncalls"):] if "   ncalls" in body else body
+    for prefix in sorted({r.rstrip(os.sep) + os.sep for r in roots}, key=len, reverse=True):
+        body = body.replace(prefix, "")
+    return body.rstrip()

@@ -52,12 +52,10 @@ import argparse
 import cProfile
 import ctypes
 import gc
-import io
 import json
 import mmap
 import os
 import platform
-import pstats
 import resource
 import shutil
 import statistics
@@ -72,7 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xxhash
-from bench_common import settle
+from bench_common import profile_text, settle
 from save_path import LAYERS, PageCache, Samples, Training, logging_quiet, state_bytes, width_for
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -373,16 +371,9 @@ def profile(ck: Checkpoint, root: str, cache: Cache, top: int) -> None:
     cache.drop(ck.run_dir)
     prof = cProfile.Profile()
     result = prof.runcall(export_checkpoint, ck.run_dir, out, selection=Selection(part="all"))
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    body = buf.getvalue()
-    body = body[body.find("   ncalls"):] if "   ncalls" in body else body
-    for prefix in sorted({os.path.dirname(os.path.dirname(torch.__file__)) + os.sep,
-                          os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep},
-                         key=len, reverse=True):
-        body = body.replace(prefix, "")
+    roots = [os.path.dirname(os.path.dirname(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     print(f"--- profile: export_checkpoint(part=all), {result.seconds:.3f} s, pages dropped "
-          f"(top {top} by own time)\n{body.rstrip()}\n")
+          f"(top {top} by own time)\n{profile_text(prof, top, 'tottime', roots)}\n")
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -39,12 +39,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import io
 import json
 import math
 import os
 import platform
-import pstats
 import shutil
 import statistics
 import subprocess
@@ -55,7 +53,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from bench_common import drop_pages, quiet, settle, timed
+from bench_common import drop_pages, profile_text, quiet, settle, timed
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -345,15 +343,8 @@ def profile(t: Training, width: int, dataset: Samples, run_dir: str, cache: Page
             pause: float) -> None:
     """cProfile of one more save(), async stall and restore(): top functions by cumulative time."""
     def show(title: str, prof: cProfile.Profile) -> None:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-        body = buf.getvalue()
-        body = body[body.find("   ncalls"):] if "   ncalls" in body else body
-        for prefix in sorted({os.path.dirname(os.path.dirname(torch.__file__)) + os.sep,
-                              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep},
-                             key=len, reverse=True):
-            body = body.replace(prefix, "")
-        print(f"--- profile: {title} (top {top} by cumulative time)\n{body.rstrip()}\n")
+        roots = [os.path.dirname(os.path.dirname(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        print(f"--- profile: {title} (top {top} by cumulative time)\n{profile_text(prof, top, 'cumulative', roots)}\n")
 
     settle(pause)
     t.train()
