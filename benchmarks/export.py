@@ -1,6 +1,6 @@
 """``resume export`` beside reading the same bytes, and its peak memory beside the largest tensor.
 
-    python benchmarks/export.py [--gib 2] [--runs 3] [--pause 1] [--dir DIR] [--drop auto|proc|fadvise]
+    python benchmarks/export.py [--gib 2] [--runs 3] [--pause 1] [--dir DIR] [--mem-dir DIR] [--drop auto|proc|fadvise]
                                 [--keep] [--profile N] [--json]
 
 The checkpoint: save_path.py's state (``LAYERS`` fp32 ``nn.Linear(w, w)`` whose weights and AdamW
@@ -10,8 +10,8 @@ hold ``checkpoint_bytes``; beside them the index the export reads (``index.resum
 are then read once, not timed: on a virtual disk the first read after a write can come from the
 device and later ones from the host's cache, which no drop in the guest reaches (here: 4.5 s,
 then 1 s, for 2 GiB), so every timed side finds the same.
-Each run times five sides, in the order read, export part=all, read+hash, export part=model, copy
-(reversed in odd runs), each after ``--pause`` seconds and ``sync``, with the page cache dropped
+Each run times six sides, in the order read, export part=all, read+hash, export part=model, copy,
+export to memory (reversed in odd runs), each after ``--pause`` seconds and ``sync``, with the page cache dropped
 (all of it when ``/proc/sys/vm/drop_caches`` is writable, else the run's own pages with
 ``posix_fadvise(DONTNEED)``), then checked with ``mincore`` on the largest data file: ``cache``
 is "dropped", or "warm" when a drop left more than a tenth of its pages in memory:
@@ -29,7 +29,11 @@ is "dropped", or "warm" when a drop left more than a tenth of its pages in memor
   (``VmHWM``; ``ru_maxrss`` without ``/proc``, though it survives ``execve`` and so starts at the
   parent's peak) after the call minus the same after the imports (the export's modules imported
   first), the peak first brought down to the RSS then where ``/proc/self/clear_refs`` permits
-  (``peak_rss_reset``; otherwise a passing peak of the imports can hide a smaller export's).
+  (``peak_rss_reset``; otherwise a passing peak of the imports can hide a smaller export's);
+- ``export_mem``: export part=all again, OUT on a memory file system (``--mem-dir``, default
+  ``/dev/shm``): the export's own cost (read, verify, put together, write) apart from the output
+  device, which on this disk writes at a quarter of the read speed. ``export_mem_vs_read`` =
+  ``read_s / export_mem_s``.
 
 After each export (not timed), its output is checked: every file its record lists is there with that
 size and xxh3 checksum, the index maps every tensor to its shard, and every tensor (model weights,
@@ -76,7 +80,7 @@ from save_path import LAYERS, PageCache, Samples, Training, logging_quiet, state
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 BLOCK = 16 << 20
 """What the plain read reads at a time (and the export skips with)."""
-SIDES = ("read", "export_all", "read_hash", "export_model", "copy")
+SIDES = ("read", "export_all", "read_hash", "export_model", "copy", "export_mem")
 """One run's order (odd runs: reversed)."""
 GOALS = {"export_vs_read": (">=", 0.8), "peak_vs_largest_tensor": ("<=", 3.0)}
 WARM = 0.1
@@ -320,8 +324,9 @@ def verify_export(result: dict, part: str, ck: Checkpoint) -> None:
 
 # -- one run -----------------------------------------------------------------------------------
 
-def run_once(ck: Checkpoint, root: str, cache: Cache, *, index: int, pause: float) -> dict:
-    """The five sides, pages dropped before each; the seconds, each export's result and peak RSS."""
+def run_once(ck: Checkpoint, root: str, cache: Cache, *, index: int, pause: float, mem_root: str | None = None) -> dict:
+    """The sides, pages dropped before each; the seconds, each export's result and peak RSS.
+    ``export_mem``: part=all with OUT under ``mem_root`` (a memory file system; else ``root``)."""
     order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
     seconds: dict[str, float] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -330,14 +335,17 @@ def run_once(ck: Checkpoint, root: str, cache: Cache, *, index: int, pause: floa
     for side in order:
         settle(pause)
         if side.startswith("export_"):
-            part = side[len("export_"):]
-            out = os.path.join(root, f"out-{part}")
+            key = side[len("export_"):]
+            part = "all" if key == "mem" else key
+            out = os.path.join(mem_root or root, f"out-{key}-{os.getpid()}" if key == "mem" else f"out-{key}")
             shutil.rmtree(out, ignore_errors=True)
             resident.append(cache.drop(ck.run_dir))
             result = export_in_child(ck.run_dir, out, part)
             seconds[side], cpu[side] = result["seconds"], result["cpu"]
             verify_export(result, part, ck)
-            exports[part] = result
+            exports[key] = result
+            if key == "mem":
+                shutil.rmtree(out, ignore_errors=True)  # memory: not kept
             continue
         target = os.path.join(root, "copy") if side == "copy" else None
         resident.append(cache.drop(ck.run_dir))
@@ -384,6 +392,7 @@ def run_figures(run: dict, ck: Checkpoint) -> dict:
     return {"order": run["order"], **{f"{k}_s": round(v, 4) for k, v in s.items()}, "cpu": run["cpu"],
             "export_vs_read": round(s["read"] / s["export_all"], 3),
             "export_model_vs_read": round(s["read"] / s["export_model"], 3),
+            "export_mem_vs_read": round(s["read"] / s["export_mem"], 3),
             "peak_rss_model_bytes": peak_rss(run["exports"]["model"]),
             "peak_rss_all_bytes": peak_rss(run["exports"]["all"]),
             "resident_after_drop": round(run["resident_after_drop"], 4)}
@@ -393,7 +402,7 @@ def peak_rss(result: dict) -> int:
     return result["rss_peak"] - result["rss_after_imports"]
 
 
-def summarize(runs: list[dict], ck: Checkpoint, cache: Cache) -> dict:
+def summarize(runs: list[dict], ck: Checkpoint, cache: Cache, mem_dir: str | None = None) -> dict:
     med = {side: statistics.median(r["seconds"][side] for r in runs) for side in SIDES}
     mib_s = {side: ck.checkpoint_bytes / med[side] / (1 << 20) for side in SIDES}
     cpu = {side: {k: statistics.median(r["cpu"][side][k] for r in runs) for k in runs[0]["cpu"][side]}
@@ -408,12 +417,13 @@ def summarize(runs: list[dict], ck: Checkpoint, cache: Cache) -> dict:
         "index_bytes": ck.index_bytes, **{f"{side}_s": med[side] for side in SIDES},
         "mib_s": mib_s, "cpu": cpu, "export_vs_read": med["read"] / med["export_all"],
         "export_model_vs_read": med["read"] / med["export_model"],
+        "export_mem_vs_read": med["read"] / med["export_mem"],
         "read_hash_vs_read": med["read"] / med["read_hash"], "export_all_vs_copy": med["copy"] / med["export_all"],
         "peak_rss_bytes": peak, "peak_rss_model_bytes": peaks["model"], "peak_rss_all_bytes": peaks["all"],
         "peak_vs_largest_tensor": peak / ck.largest_tensor_bytes,
         "rss_after_imports_bytes": max(r["exports"][p]["rss_after_imports"] for r in runs for p in last),
         "peak_rss_reset": all(r["exports"][p]["rss_peak_reset"] for r in runs for p in last),
-        "cache": cache.state, "cache_drop": cache.pages.mode,
+        "cache": cache.state, "cache_drop": cache.pages.mode, "mem_dir": mem_dir,
         "resident_after_drop_max": max(cache.resident),
         "exports": {part: {k: last[part][k] for k in ("out", "step", "tensors", "bytes_read", "bytes_written",
                                                       "rereads", "files")} | {"verified": True}
@@ -431,7 +441,8 @@ def print_tables(f: dict) -> None:
     rows = [("read (cat > /dev/null: readinto 16 MiB)", "read"), ("read + xxh3 (verification alone)", "read_hash"),
             ("read + xxh3 + write + fsync (a verified cp)", "copy"),
             (f"export part=model (writes {f['exports']['model']['bytes_written'] / mib:.0f} MiB)", "export_model"),
-            (f"export part=all (writes {f['exports']['all']['bytes_written'] / mib:.0f} MiB)", "export_all")]
+            (f"export part=all (writes {f['exports']['all']['bytes_written'] / mib:.0f} MiB)", "export_all"),
+            (f"export part=all, OUT in memory ({f['mem_dir'] or 'no memory file system: on disk'})", "export_mem")]
     for label, side in rows:
         c = f["cpu"][side]
         print(f"| {label} | {f[side + '_s']:.3f} | {f['mib_s'][side]:.0f} | {f['read_s'] / f[side + '_s']:.2f} | "
@@ -448,6 +459,7 @@ def print_tables(f: dict) -> None:
         print(f"| `{k}` | {f[k]:.2f} | {'≥' if op == '>=' else '≤'} {goal:g} "
               f"{'(met)' if f['goals_met'][k] else '(NOT met)'} |")
     print(f"| `export_model_vs_read` | {f['export_model_vs_read']:.2f} | |\n"
+          f"| `export_mem_vs_read` (the export apart from the output device) | {f['export_mem_vs_read']:.2f} | |\n"
           f"| `read_hash_vs_read` | {f['read_hash_vs_read']:.2f} | |\n"
           f"| `export_all_vs_copy` | {f['export_all_vs_copy']:.2f} | |")
     print("\n| run | first | read | export all | read+hash | export model | copy | export_vs_read | peak all MiB |"
@@ -465,6 +477,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
     parser.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, removed)")
+    parser.add_argument("--mem-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="a memory file system for the export_mem side's OUT (default /dev/shm)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     parser.add_argument("--pause", type=float, default=1.0,
                         help="seconds to let the disk drain before each side (default 1)")
@@ -494,7 +508,7 @@ def main() -> None:
         read_files(ck.files, hashed=False)  # not timed: every side reads what the host's cache holds then
         runs = []
         for i in range(args.runs):
-            runs.append(run_once(ck, root, cache, index=i, pause=args.pause))
+            runs.append(run_once(ck, root, cache, index=i, pause=args.pause, mem_root=args.mem_dir))
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v:.3f}s" for k, v in runs[-1]["seconds"].items()),
                   file=sys.stderr, flush=True)
         if args.profile:
@@ -502,7 +516,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    figures = summarize(runs, ck, cache)
+    figures = summarize(runs, ck, cache, args.mem_dir)
     figures["kept"] = root if args.keep else None
     figures["elapsed_s"] = time.perf_counter() - started
     figures["machine"] = {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),

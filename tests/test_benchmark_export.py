@@ -11,13 +11,13 @@ import sys
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECONDS = ("read_s", "read_hash_s", "copy_s", "export_model_s", "export_all_s")
+SECONDS = ("read_s", "read_hash_s", "copy_s", "export_model_s", "export_all_s", "export_mem_s")
 
 
 def test_export_benchmark_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "export.py"), "--gib", "0.03", "--runs", "1",
-         "--pause", "0", "--drop", "fadvise", "--dir", str(tmp_path), "--keep", "--json"],
+         "--pause", "0", "--drop", "fadvise", "--dir", str(tmp_path), "--mem-dir", str(tmp_path / "mem"), "--keep", "--json"],
         check=False, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -28,6 +28,8 @@ def test_export_benchmark_json(tmp_path):
     assert abs(result["gib"] - 0.03) < 0.003
     assert result["cache"] in ("dropped", "warm")
     assert result["export_vs_read"] == result["read_s"] / result["export_all_s"]
+    assert result["export_mem_vs_read"] == result["read_s"] / result["export_mem_s"]
+    assert result["mem_dir"] == str(tmp_path / "mem")
     assert sorted(result["cpu"]) == sorted(key[:-2] for key in SECONDS)
     assert all(c["user_s"] + c["sys_s"] >= 0 and c["minor_faults"] >= 0 for c in result["cpu"].values())
 
