@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 
-__all__ = ["drop_pages", "profile_text", "quiet", "settle", "timed"]
+__all__ = ["drop_pages", "in_fresh_process", "profile_text", "quiet", "settle", "timed", "write_proc"]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -60,3 +60,27 @@ def profile_text(prof: object, top: int, sort: str, roots: list[str]) -> str:
     for prefix in sorted({r.rstrip(os.sep) + os.sep for r in roots}, key=len, reverse=True):
         body = body.replace(prefix, "")
     return body.rstrip()
+
+
+def write_proc(path: str, text: str) -> bool:
+    """Write a /proc control file (drop the page cache, reset a peak); False where not permitted."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return True
+    except OSError:
+        return False
+
+
+def in_fresh_process(module: str, call: str, what: str) -> str:
+    """``module.call`` run by a fresh Python process (``python -c``: nothing imported, allocated or
+    planned before), this folder on its path; the last line it printed."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {call}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} in a fresh process failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]

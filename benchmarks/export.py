@@ -64,7 +64,6 @@ import resource
 import shutil
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +73,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xxhash
-from bench_common import profile_text, settle
+from bench_common import in_fresh_process, profile_text, settle, write_proc
 from save_path import LAYERS, PageCache, Samples, Training, logging_quiet, state_bytes, width_for
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -255,12 +254,7 @@ def child(run_dir: str, out: str, part: str) -> None:
 def reset_peak_rss() -> bool:
     """The peak RSS brought down to the RSS now (``/proc/self/clear_refs``: 5), so that it no
     longer holds the imports' passing peak; False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return write_proc("/proc/self/clear_refs", "5")
 
 
 def peak_rss_now() -> int:
@@ -278,13 +272,8 @@ def peak_rss_now() -> int:
 
 
 def export_in_child(run_dir: str, out: str, part: str) -> dict:
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import export; "
-            f"export.child({run_dir!r}, {out!r}, {part!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"export part={part} in a fresh process failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(in_fresh_process("export", f"export.child({run_dir!r}, {out!r}, {part!r})",
+                                       f"export part={part}"))
 
 
 def safetensors_digests(path: str) -> dict[str, str]:

@@ -45,7 +45,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from bench_common import drop_pages, profile_text, quiet, settle, timed
+from bench_common import drop_pages, in_fresh_process, profile_text, quiet, settle, timed, write_proc
 from resume.adapters.data import GlobalPositionSampler, StatefulLoader
 from resume.adapters.torch_native import NativeTorchAdapter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -207,12 +206,7 @@ class PageCache:
     @staticmethod
     def _proc() -> bool:
         os.sync()
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return True
-        except OSError:
-            return False
+        return write_proc("/proc/sys/vm/drop_caches", "3\n")
 
     def drop(self, directory: str) -> None:
         if self.mode == "proc" and self._proc():
@@ -494,13 +488,8 @@ def first_save(side: str, kind: str, gib: float, directory: str, drop: str, paus
 def first_save_in_child(side: str, kind: str, gib: float, directory: str, drop: str, pause: float,
                         every: int) -> float:
     """``first_save`` in a fresh Python process (nothing imported, allocated or planned before)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import save_path; "
-            f"print(save_path.first_save({side!r}, {kind!r}, {gib!r}, {directory!r}, {drop!r}, {pause!r}, {every!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"first {kind} of {side} in a fresh process failed:\n{proc.stderr[-4000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    call = f"print(save_path.first_save({side!r}, {kind!r}, {gib!r}, {directory!r}, {drop!r}, {pause!r}, {every!r}))"
+    return float(in_fresh_process("save_path", call, f"first {kind} of {side}"))
 
 
 def time_first_saves(gib: float, root: str, runs: int, drop: str, pause: float, every: int) -> list[dict[str, float]]:

@@ -224,7 +224,9 @@ def _write(src: _Source, plan: Any, shards: list, fmt: str, dtype: str, selectio
     files.progress = advance
     writer = ExportWriter(tmp, fmt, shards, metadata)
     try:
-        files.verify_rereads()
+        reread = src.run.verify_checksums(src.manifest, plan.rereads)  # whole, before they are read out of order
+        if reread:
+            raise CorruptCheckpointError(f"{reread[0]} (nothing exported)")
         advance(sum(files.files[r].size for r in plan.rereads))
         problems = _pipeline(plan.entries, files, writer, dtype)
         if problems:

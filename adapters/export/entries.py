@@ -47,10 +47,6 @@ class TensorEntry:
     name: str = ""
     """The exported name (``select``)."""
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
-
     def check_cover(self, source: str) -> None:
         """The chunks cover the tensor exactly once (inside it, disjoint, volumes adding up):
         an export never writes memory nothing was read into."""

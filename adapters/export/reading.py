@@ -5,8 +5,8 @@ tensors are exported (which is the order a save wrote them, so each file moves f
 the bytes between them (what the export leaves out) are hashed and dropped. When the last
 tensor is done, the rest of each file is hashed and every file's size and checksum compared
 with the manifest: an export is published only after every file verified. A file whose chunks
-the export would need out of order is hashed whole first and then read where needed (its bytes
-are read twice; ``Plan.rereads`` names such files).
+the export would need out of order is verified whole first (``Run.verify_checksums``) and then
+read where needed (its bytes are read twice; ``Plan.rereads`` names such files).
 
 Memory: two buffers the chunks are read into, used in turn (one tensor read while the one before
 it is written; each as large as the largest tensor's stored bytes), the tensor being put together
@@ -22,7 +22,7 @@ from typing import IO
 
 import torch
 
-from resume.checksum import ALGORITHM, checksum_file
+from resume.checksum import ALGORITHM
 from resume.errors import CorruptCheckpointError, StorageError
 from resume.manifest import Manifest
 from resume.storage import Storage, join
@@ -58,11 +58,13 @@ class Plan:
 def plan_reads(entries: list[TensorEntry]) -> Plan:
     """The export order (each tensor at its first chunk's file and offset) and the files it would
     read backwards."""
-    ordered = sorted(entries, key=lambda e: min(((c.file, c.offset) for c in e.chunks), default=("", 0)))
+    for entry in entries:  # every later step takes the chunks in this order
+        entry.chunks.sort(key=lambda c: (c.file, c.offset))
+    ordered = sorted(entries, key=lambda e: (e.chunks[0].file, e.chunks[0].offset) if e.chunks else ("", 0))
     position: dict[str, int] = {}
     rereads = set()
     for entry in ordered:
-        for chunk in sorted(entry.chunks, key=lambda c: (c.file, c.offset)):
+        for chunk in entry.chunks:
             if chunk.offset < position.get(chunk.file, 0):
                 rereads.add(chunk.file)
             position[chunk.file] = max(position.get(chunk.file, 0), chunk.offset + chunk.length)
@@ -168,25 +170,11 @@ class DataFiles:
     def _data_files(self) -> set[str]:
         return {rel for rel in self.manifest.files if rel.endswith(".distcp")}
 
-    def verify_rereads(self) -> None:
-        """The files read out of order, hashed whole before anything of them is used."""
-        for rel in sorted(self._rereads):
-            entry = self.manifest.files[rel]
-            path = join(self.step_dir, rel)
-            try:
-                size, checksum = checksum_file(self.storage, path)
-            except FileNotFoundError as e:
-                raise CorruptCheckpointError(f"{self.storage.url(path)}: expected a file of {entry.size} bytes, "
-                                             "actual missing") from e
-            if (size, checksum) != (entry.size, entry.checksum):
-                raise CorruptCheckpointError(f"{self.storage.url(path)}: checksum: expected {entry.checksum} "
-                                             f"({entry.size} bytes), actual {checksum} ({size} bytes)")
-
     def read_chunks(self, entry: TensorEntry) -> list[memoryview]:
         """The stored bytes of each of the tensor's chunks (file and offset order), read into the
         next of two buffers used in turn: valid until the call after next, so that one tensor is
         read while the one before it is written (``assemble``)."""
-        chunks = sorted(entry.chunks, key=lambda c: (c.file, c.offset))
+        chunks = entry.chunks  # in file and offset order (plan_reads)
         slot = self._slot = 1 - self._slot
         need = sum(c.length for c in chunks)
         if len(self._bufs[slot]) < need:
@@ -202,7 +190,7 @@ class DataFiles:
         from ..dcp.reader import decode_chunk
 
         full = None
-        for chunk, raw in zip(sorted(entry.chunks, key=lambda c: (c.file, c.offset)), raws):
+        for chunk, raw in zip(entry.chunks, raws):
             where = f"{self.files[chunk.file].url}: {short(entry.key, 120)}"
             try:
                 part = decode_chunk(raw, entry.dtype, chunk.sizes, where, zstd=chunk.zstd)

@@ -90,10 +90,6 @@ class _HashingFile:
         self.raw: IO[bytes] = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()
         self.sink = HashingSink(self.raw, writeback=True)
 
-    @property
-    def f(self) -> IO[bytes]:
-        return self.raw
-
     def write(self, data) -> None:
         self.sink.write(memoryview(data).cast("B"))
 
@@ -168,6 +164,6 @@ class ExportWriter:
 
     def abort(self) -> None:
         if self._out is not None:
-            self._out.f.close()
+            self._out.raw.close()
             self._out = None
         self._held = {}
