@@ -216,3 +216,31 @@ def test_an_fsdp2_checkpoint_exports_whole_tensors(tmp_path):
     model.load_state_dict(tensors, strict=True)
     for name, values in outs[0]["full"].items():
         assert torch.equal(tensors[name], torch.tensor(values, dtype=tensors[name].dtype)), name
+
+
+def test_files_read_out_of_order_are_verified_whole_first_and_export_the_same(drilled, tmp_path, monkeypatch):
+    """A checkpoint whose chunks an export needs out of order (here: every tensor in reverse)."""
+    from resume.adapters import export
+
+    from resume.errors import CorruptCheckpointError
+
+    in_order = str(tmp_path / "in-order")
+    export.export_checkpoint(drilled, in_order)
+    plan_reads = export.plan_reads
+
+    def reversed_plan(entries):
+        plan = plan_reads(entries)
+        return export.reading.Plan(plan.entries[::-1], sorted({c.file for e in plan.entries for c in e.chunks}))
+    monkeypatch.setattr(export, "plan_reads", reversed_plan)
+    out = str(tmp_path / "reversed")
+    result = export.export_checkpoint(drilled, out)
+    assert result.rereads == ["__0_0.distcp", "__1_0.distcp"]
+    a, b = _exported(in_order), _exported(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    run = str(tmp_path / "run")
+    shutil.copytree(drilled, run)
+    flip_byte(os.path.join(_step_dir(run, 10), "__1_0.distcp"))
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp: checksum"):
+        export.export_checkpoint(run, str(tmp_path / "damaged"), step=10)
+    assert not os.path.exists(tmp_path / "damaged")
